@@ -1,0 +1,1 @@
+"""Cache-hit threshold: admission control for P/D-disaggregated serving."""

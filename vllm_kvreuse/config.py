@@ -1,0 +1,125 @@
+"""vllm-kvreuse settings: one table of options, one frozen config object.
+
+Settings travel to every process inside vLLM's own config, as
+``VllmConfig.additional_config["kvreuse"]``: the API server folds the
+``vllm serve`` flags (or ``LLM(...)`` keyword arguments) into it, and the
+engine core and workers read it back with :meth:`KVReuseConfig.from_vllm_config`.
+No environment variable is involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "kvreuse"
+
+
+def parse_fraction(value: Any, name: str) -> float:
+    """Returns ``value`` as a float in [0, 1], or raises ``ValueError``.
+
+    Accepts ints, floats and numeric strings (as the CLI gives them); refuses
+    booleans, NaN and anything else, naming ``name`` in the message.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}") from None
+    if math.isnan(number) or not 0.0 <= number <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return number
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: its name in additional_config, CLI flag, parser and help."""
+
+    name: str
+    parse: Callable[[Any, str], Any]
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def cli_type(self, text: str) -> Any:
+        """argparse ``type=``: turns a parse error into a usage error."""
+        try:
+            return self.parse(text, self.flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "global_cache_hit_threshold",
+        parse_fraction,
+        0.0,
+        "Reject a request whose KV-cache hit rate (cached prompt tokens, local "
+        "prefix cache plus KV connector, divided by prompt tokens) is below "
+        "this value with finish_reason 'cache_threshold', before any KV block "
+        "is allocated. A request's own 'cache_hit_threshold' overrides it. "
+        "0.0 (the default) admits every request.",
+    ),
+)
+OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
+
+
+@dataclass(frozen=True, slots=True)
+class KVReuseConfig:
+    """Validated vllm-kvreuse settings; defaults change nothing in vLLM."""
+
+    global_cache_hit_threshold: float = 0.0
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> KVReuseConfig:
+        """Validates ``raw`` (the additional_config entry); unknown keys are errors."""
+        unknown = set(raw) - set(OPTIONS_BY_NAME)
+        if unknown:
+            raise ValueError(
+                f"unknown vllm-kvreuse setting(s) {sorted(unknown)} in "
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]; "
+                f"known: {sorted(OPTIONS_BY_NAME)}"
+            )
+        values = {
+            name: OPTIONS_BY_NAME[name].parse(value, name)
+            for name, value in raw.items()
+        }
+        return cls(**values)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> KVReuseConfig:
+        """Reads the settings the frontend stored in ``vllm_config``."""
+        additional = getattr(vllm_config, "additional_config", None) or {}
+        if not isinstance(additional, Mapping):
+            return cls()
+        return cls.from_dict(additional.get(ADDITIONAL_CONFIG_KEY) or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def merge_settings(
+    additional_config: Mapping[str, Any] | None, settings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Returns a copy of ``additional_config`` with ``settings`` folded in.
+
+    ``settings`` override entries the user put in
+    ``additional_config["kvreuse"]`` directly. The result is validated, so a
+    bad value fails here, at start-up, naming the setting.
+    """
+    merged = dict(additional_config or {})
+    ours = {**(merged.get(ADDITIONAL_CONFIG_KEY) or {}), **settings}
+    merged[ADDITIONAL_CONFIG_KEY] = KVReuseConfig.from_dict(ours).to_dict()
+    return merged
+
+
+assert {f.name for f in fields(KVReuseConfig)} == set(OPTIONS_BY_NAME), (
+    "KVReuseConfig fields and OPTIONS must list the same settings"
+)

@@ -1,0 +1,76 @@
+"""Wrappers that put the plugin's settings on vLLM's CLI and EngineArgs.
+
+Flow: ``vllm serve --global-cache-hit-threshold 0.5`` (or
+``LLM(..., global_cache_hit_threshold=0.5)``) → ``EngineArgs.additional_config
+["kvreuse"]`` → ``VllmConfig.additional_config`` → every process. Registered
+in :mod:`vllm_kvreuse.patches`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from vllm_kvreuse.config import OPTIONS, OPTIONS_BY_NAME, merge_settings
+
+GROUP_TITLE = "vllm-kvreuse"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the plugin's flags to ``parser`` once (a second call is a no-op)."""
+    if any(group.title == GROUP_TITLE for group in parser._action_groups):
+        return
+    group = parser.add_argument_group(
+        GROUP_TITLE, "KV-cache reuse features added by the vllm-kvreuse plugin."
+    )
+    for option in OPTIONS:
+        group.add_argument(
+            option.flag,
+            dest=option.name,
+            type=option.cli_type,
+            default=option.default,
+            help=f"{option.help} (default: {option.default})",
+        )
+
+
+def wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_cli_args(parser: Any) -> Any:
+        parser = original(parser)
+        add_arguments(parser)
+        return parser
+
+    return add_cli_args
+
+
+def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+        engine_args = original(cls, args)
+        # Only flags the user set: the defaults change nothing, and leaving
+        # additional_config alone keeps vLLM's config hash as it was.
+        settings = {
+            option.name: getattr(args, option.name)
+            for option in OPTIONS
+            if getattr(args, option.name, option.default) != option.default
+        }
+        if settings:
+            engine_args.additional_config = merge_settings(
+                engine_args.additional_config, settings
+            )
+        return engine_args
+
+    return from_cli_args
+
+
+def wrap_engine_args_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        settings = {
+            name: kwargs.pop(name) for name in list(kwargs) if name in OPTIONS_BY_NAME
+        }
+        if settings:
+            kwargs["additional_config"] = merge_settings(
+                kwargs.get("additional_config"), settings
+            )
+        original(self, *args, **kwargs)
+
+    return __init__

@@ -1,0 +1,217 @@
+"""Every place where vllm-kvreuse replaces an upstream vLLM symbol.
+
+vLLM's extension points (general plugins, ``scheduler_cls``,
+``SamplingParams.extra_args``, ``additional_config``) carry most of the
+plugin; what they cannot reach is patched here and only here. Each entry
+names its target, why it exists, how it works, and what upstream change
+would let us delete it.
+
+Rules:
+- A patch wraps the original (kept as ``__wrapped__``) and calls it; none
+  copies an upstream body.
+- :func:`apply_all` is idempotent and runs in every process that loads the
+  plugin (API server, engine core, workers).
+- ``signature`` is the original's signature on vLLM 0.32.0;
+  ``tests/unit/test_patches.py`` fails when upstream changes it, and checks
+  that no module patches vLLM outside this table.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+MARKER = "__kvreuse_patch__"
+
+Kind = Literal["function", "staticmethod", "classmethod"]
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """One replaced upstream attribute.
+
+    ``target`` is ``"module:Owner.attr"``; ``wrapper`` is
+    ``"module:function"``, a function that takes the original and returns
+    its replacement.
+    """
+
+    target: str
+    wrapper: str
+    kind: Kind
+    signature: str
+    why: str
+    how: str
+    remove_when: str
+
+    def owner_and_attr(self) -> tuple[Any, str]:
+        module_name, qualname = self.target.split(":")
+        *owner_path, attr = qualname.split(".")
+        owner: Any = importlib.import_module(module_name)
+        for name in owner_path:
+            owner = getattr(owner, name)
+        return owner, attr
+
+    def original(self) -> Callable[..., Any]:
+        """The upstream function, whether or not the patch is applied."""
+        owner, attr = self.owner_and_attr()
+        current = inspect.getattr_static(owner, attr)
+        if isinstance(current, (staticmethod, classmethod)):
+            current = current.__func__
+        return (
+            getattr(current, "__wrapped__", current) if is_patched(current) else current
+        )
+
+    def apply(self) -> bool:
+        """Installs the replacement unless it is there already; True if installed."""
+        owner, attr = self.owner_and_attr()
+        current = inspect.getattr_static(owner, attr)
+        raw = (
+            current.__func__
+            if isinstance(current, (staticmethod, classmethod))
+            else current
+        )
+        if is_patched(raw):
+            return False
+        module_name, func_name = self.wrapper.split(":")
+        make = getattr(importlib.import_module(module_name), func_name)
+        replacement = functools.wraps(raw)(make(raw))
+        setattr(replacement, MARKER, self.target)
+        if self.kind == "staticmethod":
+            replacement = staticmethod(replacement)
+        elif self.kind == "classmethod":
+            replacement = classmethod(replacement)
+        setattr(owner, attr, replacement)
+        return True
+
+
+def is_patched(func: Any) -> bool:
+    return getattr(func, MARKER, None) is not None
+
+
+def signature_of(func: Callable[..., Any]) -> str:
+    """The signature as text; long ones (dataclass __init__) as a short hash."""
+    text = str(inspect.signature(func))
+    if len(text) <= 400:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_ARGS = "vllm.engine.arg_utils"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        target=f"{_ARGS}:EngineArgs.add_cli_args",
+        wrapper="vllm_kvreuse.engine_args:wrap_add_cli_args",
+        kind="staticmethod",
+        signature="(parser: vllm.utils.argparse_utils.FlexibleArgumentParser) "
+        "-> vllm.utils.argparse_utils.FlexibleArgumentParser",
+        why="`vllm serve --help` must list the plugin's flags; general plugins "
+        "have no hook to add CLI arguments.",
+        how="Calls the original, then adds a 'vllm-kvreuse' argument group.",
+        remove_when="vLLM gains a plugin hook for engine CLI arguments.",
+    ),
+    Patch(
+        target=f"{_ARGS}:EngineArgs.from_cli_args",
+        wrapper="vllm_kvreuse.engine_args:wrap_from_cli_args",
+        kind="classmethod",
+        signature="(cls, args: argparse.Namespace)",
+        why="EngineArgs only copies its own dataclass fields from the parsed "
+        "namespace, so the plugin's flags would be dropped.",
+        how="Calls the original, then folds the plugin's flags into "
+        "additional_config['kvreuse'], which reaches every process.",
+        remove_when="Same as add_cli_args.",
+    ),
+    Patch(
+        target=f"{_ARGS}:EngineArgs.__init__",
+        wrapper="vllm_kvreuse.engine_args:wrap_engine_args_init",
+        kind="function",
+        signature="sha256:b04e5258010a7129",
+        why="LLM(...) passes unknown keyword arguments to EngineArgs, a "
+        "dataclass that refuses them.",
+        how="Pops the plugin's settings from the keyword arguments and folds "
+        "them into additional_config before calling the original.",
+        remove_when="Same as add_cli_args.",
+    ),
+    Patch(
+        target=f"{_ARGS}:AsyncEngineArgs.__init__",
+        wrapper="vllm_kvreuse.engine_args:wrap_engine_args_init",
+        kind="function",
+        signature="sha256:65d303dd4cfbf265",
+        why="AsyncEngineArgs is a dataclass of its own with its own __init__.",
+        how="As EngineArgs.__init__.",
+        remove_when="Same as add_cli_args.",
+    ),
+    Patch(
+        target="vllm.config.scheduler:SchedulerConfig.get_scheduler_cls",
+        wrapper="vllm_kvreuse.scheduler:wrap_get_scheduler_cls",
+        kind="function",
+        signature="(self) -> type['SchedulerInterface']",
+        why="Setting scheduler_cls to one class would lose vLLM's choice "
+        "between Scheduler and AsyncScheduler (and any user scheduler).",
+        how="Calls the original and returns a subclass that adds the plugin's "
+        "scheduler mixins to whatever class vLLM chose.",
+        remove_when="scheduler_cls accepts mixins, or a scheduler plugin hook.",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.completion.protocol:"
+        "CompletionRequest.to_sampling_params",
+        wrapper="vllm_kvreuse.admission.frontend:wrap_to_sampling_params",
+        kind="function",
+        signature="(self, max_tokens: int, default_sampling_params: dict | None "
+        "= None) -> vllm.sampling_params.SamplingParams",
+        why="cache_hit_threshold is a top-level request field (RFC #24256); "
+        "the request model keeps unknown fields but passes none of them on.",
+        how="Validates the field (ValueError -> HTTP 400) and copies it into "
+        "SamplingParams.extra_args.",
+        remove_when="vLLM accepts cache_hit_threshold (PR #24520 was closed).",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.chat_completion.protocol:"
+        "ChatCompletionRequest.to_sampling_params",
+        wrapper="vllm_kvreuse.admission.frontend:wrap_to_sampling_params",
+        kind="function",
+        signature="(self, max_tokens: int, default_sampling_params: dict) "
+        "-> vllm.sampling_params.SamplingParams",
+        why="As CompletionRequest.to_sampling_params.",
+        how="As CompletionRequest.to_sampling_params.",
+        remove_when="As CompletionRequest.to_sampling_params.",
+    ),
+    Patch(
+        target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
+        wrapper="vllm_kvreuse.admission.frontend:wrap_validate_params",
+        kind="function",
+        signature="(self, params: vllm.sampling_params.SamplingParams | "
+        "vllm.pooling_params.PoolingParams, supported_tasks: "
+        "tuple[typing.Literal['generate', 'transcription', 'realtime', "
+        "'embed', 'classify', 'token_embed', 'token_classify', 'plugin', "
+        "'embed&token_classify', 'render'], ...]) -> bool | None",
+        why="A bad cache_hit_threshold in SamplingParams.extra_args must fail "
+        "in the caller's process with a clear error, not in the engine.",
+        how="Calls the original, then validates the plugin's extra_args keys.",
+        remove_when="vLLM validates plugin extra_args (no hook today).",
+    ),
+    Patch(
+        target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
+        wrapper="vllm_kvreuse.admission.frontend:wrap_new_completion_output",
+        kind="function",
+        signature="(self, token_ids: list[int], finish_reason: "
+        "vllm.v1.engine.FinishReason | None, stop_reason: int | str | None) "
+        "-> vllm.outputs.CompletionOutput",
+        why="FinishReason is a closed IntEnum, so the engine cannot send "
+        "'cache_threshold' as a finish reason.",
+        how="The scheduler finishes a rejected request as ABORT with "
+        "stop_reason 'cache_threshold'; this wrapper turns that pair into "
+        "finish_reason 'cache_threshold' and counts it in /metrics.",
+        remove_when="FinishReason gains a cache-threshold member.",
+    ),
+)
+
+
+def apply_all() -> list[str]:
+    """Applies every patch not yet applied in this process; returns their targets."""
+    return [patch.target for patch in PATCHES if patch.apply()]
