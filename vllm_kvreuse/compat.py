@@ -12,12 +12,18 @@ class IncompatibleVLLMError(RuntimeError):
 
 
 def check_vllm_version(installed: str | None = None) -> None:
-    """Raises :class:`IncompatibleVLLMError` unless vLLM is 0.32.0 (any local build)."""
+    """Raises :class:`IncompatibleVLLMError` unless vLLM is the pinned release.
+
+    Local builds (``0.32.0+cpu``) and post releases of it are accepted; other
+    releases and pre-releases are not.
+    """
     if installed is None:
         import vllm
 
         installed = vllm.__version__
-    if Version(installed).release != Version(PINNED_VLLM_VERSION).release:
+    version = Version(installed)
+    is_pinned = version.release == Version(PINNED_VLLM_VERSION).release
+    if not is_pinned or version.is_prerelease:
         raise IncompatibleVLLMError(
             f"vllm-kvreuse {_own_version()} supports vLLM {PINNED_VLLM_VERSION} "
             f"only, but vLLM {installed} is installed. Install the matching "

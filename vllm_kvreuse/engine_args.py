@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=option.name,
             type=option.cli_type,
             default=option.default,
-            help=f"{option.help} (default: {option.default})",
+            help=option.help,
         )
 
 

@@ -182,6 +182,29 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="As CompletionRequest.to_sampling_params.",
     ),
     Patch(
+        target="vllm.entrypoints.openai.completion.serving:"
+        "OpenAIServingCompletion.completion_stream_generator",
+        wrapper="vllm_kvreuse.admission.streaming:wrap_stream_generator",
+        kind="function",
+        signature="sha256:319c1f1932ff8c38",
+        why="The stream generator drops an output with no text and no tokens "
+        "even when it carries a finish reason, so a stream rejected on "
+        "admission would end without finish_reason 'cache_threshold'.",
+        how="Watches the engine results for rejections and adds the missing "
+        "finishing chunk before the usage chunk or [DONE].",
+        remove_when="Upstream emits finish-only chunks for empty outputs.",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.chat_completion.serving:"
+        "OpenAIServingChat.chat_completion_stream_generator",
+        wrapper="vllm_kvreuse.admission.streaming:wrap_stream_generator",
+        kind="function",
+        signature="sha256:da87210e55db4e63",
+        why="As OpenAIServingCompletion.completion_stream_generator.",
+        how="As OpenAIServingCompletion.completion_stream_generator.",
+        remove_when="As OpenAIServingCompletion.completion_stream_generator.",
+    ),
+    Patch(
         target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
         wrapper="vllm_kvreuse.admission.frontend:wrap_validate_params",
         kind="function",

