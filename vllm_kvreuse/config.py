@@ -35,6 +35,21 @@ def parse_fraction(value: Any, name: str) -> float:
     return number
 
 
+def parse_seconds(value: Any, name: str) -> float:
+    """Returns ``value`` as a positive, finite number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name} must be a positive number of seconds, got {value!r}"
+        ) from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     """One setting: its name in additional_config, CLI flag, parser and help."""
@@ -67,6 +82,30 @@ OPTIONS: tuple[Option, ...] = (
         "is allocated. A request's own 'cache_hit_threshold' overrides it. "
         "0.0 (the default) admits every request.",
     ),
+    Option(
+        "retain_kv_ttl",
+        parse_seconds,
+        60.0,
+        "Seconds a finished request that asked for 'retain_kv' keeps its KV "
+        "blocks for continuation requests, unless it set its own "
+        "'retain_kv_ttl'.",
+    ),
+    Option(
+        "retain_kv_max_fraction",
+        parse_fraction,
+        0.25,
+        "Largest share of the KV block pool that retained requests may hold. "
+        "Past it, or when the scheduler runs short of blocks, the oldest "
+        "retained request is released first (its continuations then fall back "
+        "to prefix caching).",
+    ),
+    Option(
+        "continuation_wait_timeout",
+        parse_seconds,
+        60.0,
+        "Seconds a continuation request waits for a parent that is still "
+        "running before it is answered 404.",
+    ),
 )
 OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 
@@ -76,6 +115,9 @@ class KVReuseConfig:
     """Validated vllm-kvreuse settings; defaults change nothing in vLLM."""
 
     global_cache_hit_threshold: float = 0.0
+    retain_kv_ttl: float = 60.0
+    retain_kv_max_fraction: float = 0.25
+    continuation_wait_timeout: float = 60.0
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVReuseConfig:
@@ -116,7 +158,10 @@ def merge_settings(
     """
     merged = dict(additional_config or {})
     ours = {**(merged.get(ADDITIONAL_CONFIG_KEY) or {}), **settings}
-    merged[ADDITIONAL_CONFIG_KEY] = KVReuseConfig.from_dict(ours).to_dict()
+    KVReuseConfig.from_dict(ours)  # validates
+    merged[ADDITIONAL_CONFIG_KEY] = {
+        name: OPTIONS_BY_NAME[name].parse(value, name) for name, value in ours.items()
+    }
     return merged
 
 

@@ -29,3 +29,28 @@ def count_cache_threshold_rejection(preempted: bool) -> None:
     cache_threshold_rejections().labels(
         stage="preempted" if preempted else "admission"
     ).inc()
+
+
+@functools.cache
+def continuation_requests() -> Counter:
+    return Counter(
+        PREFIX + "continuation_requests",
+        "Continuation requests by outcome: 'resolved' (parent found, child "
+        "sent), 'not_found' (answered 404), 'completed' (child finished).",
+        labelnames=("outcome",),
+    )
+
+
+@functools.cache
+def continuation_cached_tokens() -> Counter:
+    return Counter(
+        PREFIX + "continuation_cached_prompt_tokens",
+        "Prompt tokens of finished continuation requests that were not "
+        "computed: inherited from the parent or hit in the prefix cache.",
+    )
+
+
+def count_continuation(outcome: str, num_cached_tokens: int) -> None:
+    continuation_requests().labels(outcome=outcome).inc()
+    if num_cached_tokens:
+        continuation_cached_tokens().inc(num_cached_tokens)

@@ -28,7 +28,13 @@ from typing import Any, Literal
 
 MARKER = "__kvreuse_patch__"
 
-Kind = Literal["function", "staticmethod", "classmethod"]
+Kind = Literal["function", "staticmethod", "classmethod", "new", "subclass"]
+"""How the replacement is installed: "new" adds a method upstream lacks;
+"subclass" replaces a module's class by a subclass of it (for pydantic request
+models, whose validators only a subclass can override)."""
+
+ABSENT = "absent"
+"""``signature`` of a "new" patch: the attribute must not exist upstream."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +62,17 @@ class Patch:
             owner = getattr(owner, name)
         return owner, attr
 
-    def original(self) -> Callable[..., Any]:
-        """The upstream function, whether or not the patch is applied."""
+    def original(self) -> Callable[..., Any] | None:
+        """The upstream function, whether or not the patch is applied.
+
+        None for a "new" patch: there is no upstream function.
+        """
         owner, attr = self.owner_and_attr()
-        current = inspect.getattr_static(owner, attr)
+        current = inspect.getattr_static(owner, attr, None)
+        if self.kind == "new" and (current is None or is_patched(current)):
+            return None
+        if self.kind == "subclass" and is_patched(current):
+            return current.__bases__[0]
         if isinstance(current, (staticmethod, classmethod)):
             current = current.__func__
         return (
@@ -69,7 +82,7 @@ class Patch:
     def apply(self) -> bool:
         """Installs the replacement unless it is there already; True if installed."""
         owner, attr = self.owner_and_attr()
-        current = inspect.getattr_static(owner, attr)
+        current = inspect.getattr_static(owner, attr, None)
         raw = (
             current.__func__
             if isinstance(current, (staticmethod, classmethod))
@@ -77,9 +90,16 @@ class Patch:
         )
         if is_patched(raw):
             return False
+        assert (self.kind == "new") == (raw is None), (
+            f"{self.target}: a 'new' patch must add a missing attribute, "
+            "any other must wrap an existing one"
+        )
         module_name, func_name = self.wrapper.split(":")
         make = getattr(importlib.import_module(module_name), func_name)
-        replacement = functools.wraps(raw)(make(raw))
+        if raw is None or self.kind == "subclass":
+            replacement = make(raw)
+        else:
+            replacement = functools.wraps(raw)(make(raw))
         setattr(replacement, MARKER, self.target)
         if self.kind == "staticmethod":
             replacement = staticmethod(replacement)
@@ -93,9 +113,16 @@ def is_patched(func: Any) -> bool:
     return getattr(func, MARKER, None) is not None
 
 
-def signature_of(func: Callable[..., Any]) -> str:
+def signature_of(func: Callable[..., Any] | None) -> str:
     """The signature as text; long ones (dataclass __init__) as a short hash."""
-    text = str(inspect.signature(func))
+    if func is None:
+        return ABSENT
+    # A subclassed class is checked by its whole source.
+    text = (
+        inspect.getsource(func)
+        if isinstance(func, type)
+        else str(inspect.signature(func))
+    )
     if len(text) <= 400:
         return text
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -160,20 +187,22 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         target="vllm.entrypoints.openai.completion.protocol:"
         "CompletionRequest.to_sampling_params",
-        wrapper="vllm_kvreuse.admission.frontend:wrap_to_sampling_params",
+        wrapper="vllm_kvreuse.frontend:wrap_to_sampling_params",
         kind="function",
         signature="(self, max_tokens: int, default_sampling_params: dict | None "
         "= None) -> vllm.sampling_params.SamplingParams",
-        why="cache_hit_threshold is a top-level request field (RFC #24256); "
-        "the request model keeps unknown fields but passes none of them on.",
-        how="Validates the field (ValueError -> HTTP 400) and copies it into "
+        why="cache_hit_threshold, retain_kv and retain_kv_ttl are top-level "
+        "request fields; the request model keeps unknown fields but passes "
+        "none of them on.",
+        how="Validates the fields (HTTP 400) and copies them into "
         "SamplingParams.extra_args.",
-        remove_when="vLLM accepts cache_hit_threshold (PR #24520 was closed).",
+        remove_when="vLLM forwards plugin request fields (PR #24520, which "
+        "added cache_hit_threshold, was closed).",
     ),
     Patch(
         target="vllm.entrypoints.openai.chat_completion.protocol:"
         "ChatCompletionRequest.to_sampling_params",
-        wrapper="vllm_kvreuse.admission.frontend:wrap_to_sampling_params",
+        wrapper="vllm_kvreuse.frontend:wrap_to_sampling_params",
         kind="function",
         signature="(self, max_tokens: int, default_sampling_params: dict) "
         "-> vllm.sampling_params.SamplingParams",
@@ -206,21 +235,113 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
-        wrapper="vllm_kvreuse.admission.frontend:wrap_validate_params",
+        wrapper="vllm_kvreuse.frontend:wrap_validate_params",
         kind="function",
         signature="(self, params: vllm.sampling_params.SamplingParams | "
         "vllm.pooling_params.PoolingParams, supported_tasks: "
         "tuple[typing.Literal['generate', 'transcription', 'realtime', "
         "'embed', 'classify', 'token_embed', 'token_classify', 'plugin', "
         "'embed&token_classify', 'render'], ...]) -> bool | None",
-        why="A bad cache_hit_threshold in SamplingParams.extra_args must fail "
-        "in the caller's process with a clear error, not in the engine.",
+        why="A bad plugin option in SamplingParams.extra_args must fail in the "
+        "caller's process with a clear error, not in the engine.",
         how="Calls the original, then validates the plugin's extra_args keys.",
         remove_when="vLLM validates plugin extra_args (no hook today).",
     ),
     Patch(
+        target="vllm.v1.engine.output_processor:OutputProcessor.add_request",
+        wrapper="vllm_kvreuse.continuation.frontend:wrap_add_request",
+        kind="function",
+        signature="(self, request: vllm.v1.engine.EngineCoreRequest, "
+        "prompt: str | None, parent_req: "
+        "vllm.v1.engine.parallel_sampling.ParentRequest | None = None, "
+        "request_index: int = 0, queue: "
+        "vllm.v1.engine.output_processor.RequestOutputCollector | None = None) "
+        "-> None",
+        why="A continuation names its parent by id, so the frontend must know "
+        "each request's engine id, prompt tokens, cache_salt and LoRA.",
+        how="Calls the original, then records the new request in the output "
+        "processor's parent registry.",
+        remove_when="vLLM keeps finished requests' tokens addressable by id.",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.completion.protocol:CompletionRequest",
+        wrapper="vllm_kvreuse.continuation.frontend:continuable_completion_request",
+        kind="subclass",
+        signature="sha256:1eb0754396b7f3d5",
+        why="The request model refuses a body without a prompt, but a "
+        "continuation may leave it out.",
+        how="A subclass overrides the validator validate_prompt_and_prompt_embeds "
+        "to let a body with continuation_of through, and otherwise calls the "
+        "original. The API server builds its routes after plugins load, so "
+        "they see the subclass.",
+        remove_when="vLLM gains continuation requests.",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.completion.serving:"
+        "OpenAIServingCompletion.render_completion_request",
+        wrapper="vllm_kvreuse.continuation.frontend:wrap_render_completion_request",
+        kind="function",
+        signature="(self, request: vllm.entrypoints.openai.completion.protocol."
+        "CompletionRequest) -> list[vllm.inputs.engine.TokensInput | "
+        "vllm.inputs.engine.EmbedsInput | vllm.inputs.engine.MultiModalInput | "
+        "vllm.inputs.engine.EncoderDecoderInput] | "
+        "vllm.entrypoints.serve.engine.protocol.ErrorResponse",
+        why="A body with continuation_of has no prompt of its own: its prompt "
+        "is the parent's tokens plus a suffix.",
+        how="For such a body, returns the token-id engine input built from the "
+        "parent record (or a 404/400 error object); otherwise calls the original.",
+        remove_when="vLLM gains continuation requests.",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.chat_completion.serving:"
+        "OpenAIServingChat.render_chat_request",
+        wrapper="vllm_kvreuse.continuation.frontend:wrap_render_chat_request",
+        kind="function",
+        signature="(self, request: vllm.entrypoints.openai.chat_completion.protocol."
+        "ChatCompletionRequest) -> tuple[list[vllm.renderers.chat_utils."
+        "ConversationMessage], list[vllm.inputs.engine.TokensInput | "
+        "vllm.inputs.engine.EmbedsInput | vllm.inputs.engine.MultiModalInput | "
+        "vllm.inputs.engine.EncoderDecoderInput]] | "
+        "vllm.entrypoints.serve.engine.protocol.ErrorResponse",
+        why="As OpenAIServingCompletion.render_completion_request, for chat.",
+        how="As OpenAIServingCompletion.render_completion_request; the chat "
+        "template is not applied to a continuation.",
+        remove_when="As OpenAIServingCompletion.render_completion_request.",
+    ),
+    Patch(
+        target="vllm.entrypoints.llm:LLM.generate_continuation",
+        wrapper="vllm_kvreuse.continuation.frontend:make_llm_generate_continuation",
+        kind="new",
+        signature=ABSENT,
+        why="The offline API for continuation requests.",
+        how="Adds the method; it builds the child from the parent record and "
+        "calls LLM.generate.",
+        remove_when="vLLM gains continuation requests.",
+    ),
+    Patch(
+        target="vllm.v1.engine.async_llm:AsyncLLM.generate_continuation",
+        wrapper="vllm_kvreuse.continuation.frontend:make_async_generate_continuation",
+        kind="new",
+        signature=ABSENT,
+        why="The async API for continuation requests, as the issue names it.",
+        how="Adds the method; it waits for a running parent, builds the child "
+        "and calls AsyncLLM.generate.",
+        remove_when="vLLM gains continuation requests.",
+    ),
+    Patch(
+        target="vllm.v1.engine.core:EngineCore.kvreuse_release_expired",
+        wrapper="vllm_kvreuse.continuation.frontend:make_release_expired_utility",
+        kind="new",
+        signature=ABSENT,
+        why="An idle engine core blocks on its input queue, so retained KV "
+        "would outlive its TTL until the next request.",
+        how="Adds an engine-core utility; the frontend calls it (through "
+        "call_utility_async) when a retained parent's TTL runs out.",
+        remove_when="vLLM schedules timed work in the engine core.",
+    ),
+    Patch(
         target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
-        wrapper="vllm_kvreuse.admission.frontend:wrap_new_completion_output",
+        wrapper="vllm_kvreuse.frontend:wrap_new_completion_output",
         kind="function",
         signature="(self, token_ids: list[int], finish_reason: "
         "vllm.v1.engine.FinishReason | None, stop_reason: int | str | None) "
@@ -229,7 +350,8 @@ PATCHES: tuple[Patch, ...] = (
         "'cache_threshold' as a finish reason.",
         how="The scheduler finishes a rejected request as ABORT with "
         "stop_reason 'cache_threshold'; this wrapper turns that pair into "
-        "finish_reason 'cache_threshold' and counts it in /metrics.",
+        "finish_reason 'cache_threshold' and counts it in /metrics. It also "
+        "records a finished request's delivered tokens for continuations.",
         remove_when="FinishReason gains a cache-threshold member.",
     ),
 )

@@ -17,10 +17,16 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvreuse.admission.scheduler import CacheHitThresholdMixin
+from vllm_kvreuse.continuation.scheduler import ContinuationMixin
 
 logger = init_logger(__name__)
 
-SCHEDULER_MIXINS: tuple[type[Scheduler], ...] = (CacheHitThresholdMixin,)
+# Order matters only for reading: the threshold check asks
+# _get_local_prefix_cache_hit, which ContinuationMixin answers for children.
+SCHEDULER_MIXINS: tuple[type[Scheduler], ...] = (
+    CacheHitThresholdMixin,
+    ContinuationMixin,
+)
 
 
 @functools.cache

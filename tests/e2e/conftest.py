@@ -20,11 +20,21 @@ def server(model_dir: str, tmp_path_factory) -> Iterator[Server]:
         model_dir,
         "--global-cache-hit-threshold",
         "0.5",
+        # Retained parents expire within the leak check's wait below.
+        "--retain-kv-ttl",
+        "2",
         log_path=log,
         block_size=BLOCK_SIZE,
     )
     yield srv
     srv.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture
@@ -43,5 +53,7 @@ def kv_pool_is_idle_after_test(request) -> Iterator[None]:
     srv: Server = request.getfixturevalue("server")
     deadline = time.monotonic() + 10
     while (usage := srv.metric("vllm:kv_cache_usage_perc")) > 0:
-        assert time.monotonic() < deadline, f"KV blocks still in use: {usage}"
+        assert time.monotonic() < deadline, (
+            f"KV blocks still in use: {usage}\n{srv.log_tail()}"
+        )
         time.sleep(0.5)

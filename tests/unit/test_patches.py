@@ -29,7 +29,8 @@ def test_every_registered_patch_is_applied(patch) -> None:
     current = inspect.getattr_static(owner, attr)
     raw = getattr(current, "__func__", current)
     assert is_patched(raw), f"{patch.target} is registered but not applied"
-    assert raw.__wrapped__ is patch.original()
+    if patch.kind != "new":
+        assert raw.__wrapped__ is patch.original()
 
 
 def test_apply_all_is_idempotent() -> None:

@@ -1,0 +1,1 @@
+"""Continuation requests: a new request inherits a finished request's KV blocks."""

@@ -1,0 +1,370 @@
+"""Frontend side of continuation requests.
+
+- Parents are recorded as the output processor adds them, and completed with
+  the tokens actually delivered when their final output is made.
+- A child (HTTP ``continuation_of``, or ``generate_continuation``) is turned
+  into an ordinary token-id request: parent prompt + delivered output +
+  suffix, with ``extra_args["kvreuse_parent"]`` naming the parent's engine
+  request so that the scheduler can hand over its blocks.
+Errors: unknown, expired, aborted or other-tenant parents are 404
+(``ParentNotFound``); malformed fields and LoRA mismatches are 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from pydantic import model_validator
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs.engine import tokens_input
+from vllm.sampling_params import SamplingParams
+
+from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.continuation import params
+from vllm_kvreuse.continuation.registry import (
+    ParentNotFound,
+    ParentRecord,
+    ParentRegistry,
+    record_of,
+    registry_of,
+    track,
+)
+from vllm_kvreuse.metrics import count_continuation
+
+BODY_FIELDS = (params.RETAIN_KV, params.RETAIN_KV_TTL)
+"""Top-level HTTP body fields copied into ``extra_args`` (parent side)."""
+
+CONTINUATION_OF = "continuation_of"
+CHOICE = "continuation_choice"
+SUFFIX = "continuation_suffix"
+SUFFIX_TOKEN_IDS = "continuation_suffix_token_ids"
+
+
+def validate_extra_args(extra_args: Mapping[str, Any]) -> None:
+    params.validate(extra_args)
+
+
+# -- recording parents ---------------------------------------------------------
+
+
+def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``OutputProcessor.add_request``: records each generation request."""
+
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, request, *args, **kwargs)
+        state = self.request_states.get(request.request_id)
+        sampling = request.sampling_params
+        if state is None or sampling is None or state.detokenizer is None:
+            return
+        extra = sampling.extra_args or {}
+        record = ParentRecord(
+            external_id=state.external_req_id,
+            choice=state.request_index,
+            engine_request_id=request.request_id,
+            prompt_token_ids=state.prompt_token_ids or [],
+            cache_salt=request.cache_salt,
+            lora_name=state.lora_name,
+            retain_kv=params.wants_retention(extra),
+            ttl=extra.get(params.RETAIN_KV_TTL),
+            is_continuation=params.parent_of(extra) is not None,
+        )
+        track(registry_of(self), state, record)
+
+    return add_request
+
+
+def on_final_output(request_state: Any, output: Any) -> None:
+    """Completes the request's record with what the client received."""
+    tracked = record_of(request_state)
+    if tracked is None or request_state.detokenizer is None:
+        return
+    registry, record = tracked
+    registry.finished(
+        record, request_state.detokenizer.output_token_ids, output.finish_reason
+    )
+    if record.retain_kv and output.finish_reason in ("stop", "length"):
+        registry.release_when_expired(record)
+    if record.is_continuation:
+        count_continuation("completed", request_state.num_cached_tokens)
+
+
+# -- building children -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A resolved continuation: its prompt and the parent's engine request id."""
+
+    prompt_token_ids: list[int]
+    parent_engine_request_id: str
+
+
+def build_child(record: ParentRecord, suffix_token_ids: Sequence[int]) -> Child:
+    return Child(record.token_ids + list(suffix_token_ids), record.engine_request_id)
+
+
+def with_parent(sampling_params: SamplingParams | None, child: Child) -> SamplingParams:
+    """A copy of ``sampling_params`` that names ``child``'s parent."""
+    params_ = (sampling_params or SamplingParams()).clone()
+    params_.extra_args = {
+        **(params_.extra_args or {}),
+        params.PARENT: child.parent_engine_request_id,
+    }
+    return params_
+
+
+def default_ttl(vllm_config: Any) -> float:
+    return KVReuseConfig.from_vllm_config(vllm_config).retain_kv_ttl
+
+
+# -- HTTP --------------------------------------------------------------------
+
+
+class BadContinuation(ValueError):
+    """A malformed continuation request (HTTP 400)."""
+
+
+def _suffix_token_ids(body: Mapping[str, Any], tokenizer: Any) -> list[int]:
+    text, ids = body.get(SUFFIX), body.get(SUFFIX_TOKEN_IDS)
+    if text is not None and ids is not None:
+        raise BadContinuation(f"give {SUFFIX} or {SUFFIX_TOKEN_IDS}, not both")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise BadContinuation(f"{SUFFIX_TOKEN_IDS} must be a list of token ids")
+        return ids
+    if text is None:
+        return []
+    if not isinstance(text, str):
+        raise BadContinuation(f"{SUFFIX} must be a string")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _choice(body: Mapping[str, Any]) -> int:
+    choice = body.get(CHOICE, 0)
+    if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
+        raise BadContinuation(f"{CHOICE} must be a non-negative integer")
+    return choice
+
+
+async def resolve_http(
+    serving: Any, request: Any, prompt_given: bool
+) -> list[Any] | None:
+    """Turns a continuation body into engine inputs; None if it is not one.
+
+    Raises ``BadContinuation`` (400), ``ParentNotFound`` (404) or
+    ``VLLMValidationError`` (400, LoRA mismatch). On success it also names
+    the parent in ``request.vllm_xargs``, which upstream copies into
+    ``SamplingParams.extra_args``.
+    """
+    body = request.model_extra or {}
+    parent_id = body.get(CONTINUATION_OF)
+    if parent_id is None:
+        return None
+    if not isinstance(parent_id, str) or not parent_id:
+        raise BadContinuation(f"{CONTINUATION_OF} must be a response id string")
+    if prompt_given:
+        raise BadContinuation(
+            f"a request with {CONTINUATION_OF} takes its prompt from the parent; "
+            "leave prompt/messages empty and pass the suffix as "
+            f"{SUFFIX} or {SUFFIX_TOKEN_IDS}"
+        )
+    suffix = _suffix_token_ids(body, serving.renderer.tokenizer)
+    engine = serving.engine_client
+    registry = bound_registry(engine)
+    config = KVReuseConfig.from_vllm_config(engine.vllm_config)
+    record = registry.find_response(
+        parent_id, _choice(body), request.cache_salt, config.retain_kv_ttl
+    )
+    await registry.wait(record, config.continuation_wait_timeout)
+    lora = serving._maybe_get_adapters(request)
+    if (lora.lora_name if lora else None) != record.lora_name:
+        raise VLLMValidationError(
+            "the continuation must use the same LoRA adapter (model) as its "
+            f"parent ({record.lora_name or 'the base model'})",
+            parameter="model",
+        )
+    child = build_child(record, suffix)
+    request.vllm_xargs = {
+        **(request.vllm_xargs or {}),
+        params.PARENT: child.parent_engine_request_id,
+    }
+    count_continuation("resolved", 0)
+    return [tokens_input(child.prompt_token_ids, cache_salt=request.cache_salt)]
+
+
+def error_response(serving: Any, error: Exception) -> Any:
+    """The OpenAI error object for a failed continuation."""
+    if isinstance(error, ParentNotFound):
+        count_continuation("not_found", 0)
+        return serving.create_error_response(
+            f"no retained or recent request with id {error.args[0]!r} "
+            "(unknown, expired, aborted, or not visible to this cache_salt)",
+            err_type="NotFoundError",
+            status_code=HTTPStatus.NOT_FOUND,
+            param=CONTINUATION_OF,
+        )
+    return serving.create_error_response(str(error), param=CONTINUATION_OF)
+
+
+def bound_registry(engine: Any) -> ParentRegistry:
+    """The engine's registry, able to wake the engine when a retention expires."""
+    registry = registry_of(engine.output_processor)
+    if registry.release_expired is None:
+        registry.bind(
+            lambda: engine.engine_core.call_utility_async(RELEASE_EXPIRED),
+            default_ttl(engine.vllm_config),
+        )
+    return registry
+
+
+RELEASE_EXPIRED = "kvreuse_release_expired"
+
+
+def make_release_expired_utility(_: None) -> Callable[..., Any]:
+    def kvreuse_release_expired(self: Any) -> int:
+        """Engine-core utility: release retained parents past their TTL."""
+        release = getattr(self.scheduler, "release_expired", None)
+        return release() if release is not None else 0
+
+    return kvreuse_release_expired
+
+
+def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def render_completion_request(self: Any, request: Any) -> Any:
+        bound_registry(self.engine_client)
+        try:
+            inputs = await resolve_http(
+                self, request, prompt_given=request.prompt not in (None, "", [])
+            )
+        except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
+            return error_response(self, e)
+        if inputs is None:
+            return await original(self, request)
+        error = await self._check_model(request)
+        return error if error is not None else inputs
+
+    return render_completion_request
+
+
+def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def render_chat_request(self: Any, request: Any) -> Any:
+        bound_registry(self.engine_client)
+        try:
+            inputs = await resolve_http(
+                self, request, prompt_given=bool(request.messages)
+            )
+        except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
+            return error_response(self, e)
+        if inputs is None:
+            return await original(self, request)
+        error = await self._check_model(request)
+        return error if error is not None else ([], inputs)
+
+    return render_chat_request
+
+
+def continuable_completion_request(original: type) -> type:
+    """``CompletionRequest`` that accepts a continuation without a prompt."""
+
+    class CompletionRequest(original):  # type: ignore[misc, valid-type]
+        @model_validator(mode="before")
+        @classmethod
+        def validate_prompt_and_prompt_embeds(cls, data: Any) -> Any:
+            if isinstance(data, dict) and data.get(CONTINUATION_OF) is not None:
+                return data  # resolve_http checks the prompt is absent
+            return original.validate_prompt_and_prompt_embeds(data)
+
+    CompletionRequest.__doc__ = original.__doc__
+    CompletionRequest.__module__ = original.__module__
+    CompletionRequest.__qualname__ = original.__qualname__
+    return CompletionRequest
+
+
+# -- Python API ----------------------------------------------------------------
+
+
+def _offline_child(
+    registry: ParentRegistry,
+    parent_request_id: str,
+    choice: int,
+    suffix_token_ids: Sequence[int],
+    cache_salt: str | None,
+    ttl: float,
+) -> tuple[ParentRecord, Child]:
+    record = registry.find(parent_request_id, choice, cache_salt, ttl)
+    return record, build_child(record, suffix_token_ids)
+
+
+def make_llm_generate_continuation(_: None) -> Callable[..., Any]:
+    def generate_continuation(
+        self: Any,
+        parent_request_id: str,
+        suffix_token_ids: Sequence[int] = (),
+        sampling_params: SamplingParams | None = None,
+        *,
+        choice: int = 0,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> Any:
+        """Continues a finished request of this ``LLM`` by its ``request_id``.
+
+        The child's prompt is the parent's prompt token ids, its output token
+        ids as returned, then ``suffix_token_ids``; a parent that asked for
+        ``retain_kv`` hands its KV blocks over, so only the suffix and the
+        parent's last token are prefilled. Raises ``ParentNotFound`` for an
+        unknown, expired or other-salt parent.
+        """
+        engine = self.llm_engine
+        _, child = _offline_child(
+            registry_of(engine.output_processor),
+            parent_request_id,
+            choice,
+            suffix_token_ids,
+            cache_salt,
+            default_ttl(engine.vllm_config),
+        )
+        prompt = tokens_input(child.prompt_token_ids, cache_salt=cache_salt)
+        (output,) = self.generate(
+            [prompt], with_parent(sampling_params, child), use_tqdm=use_tqdm
+        )
+        return output
+
+    return generate_continuation
+
+
+def make_async_generate_continuation(_: None) -> Callable[..., Any]:
+    async def generate_continuation(
+        self: Any,
+        parent_request_id: str,
+        request_id: str,
+        sampling_params: SamplingParams | None = None,
+        suffix_token_ids: Sequence[int] = (),
+        *,
+        choice: int = 0,
+        cache_salt: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[Any, None]:
+        """``AsyncLLM.generate`` for a continuation of ``parent_request_id``.
+
+        Waits (up to ``--continuation-wait-timeout``) for a parent that is
+        still running. Other keyword arguments go to ``generate``.
+        """
+        config = KVReuseConfig.from_vllm_config(self.vllm_config)
+        registry = bound_registry(self)
+        record = registry.find(
+            parent_request_id, choice, cache_salt, config.retain_kv_ttl
+        )
+        await registry.wait(record, config.continuation_wait_timeout)
+        child = build_child(record, suffix_token_ids)
+        prompt = tokens_input(child.prompt_token_ids, cache_salt=cache_salt)
+        async for output in self.generate(
+            prompt, with_parent(sampling_params, child), request_id, **kwargs
+        ):
+            yield output
+
+    return generate_continuation

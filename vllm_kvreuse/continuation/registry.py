@@ -1,0 +1,215 @@
+"""Frontend record of recent requests, so that a child can name its parent by id.
+
+Lives in the frontend process (API server or ``LLM`` caller), one registry
+per ``OutputProcessor``. It learns a request when the output processor adds
+it and its tokens when the request's final output is made: the prompt token
+ids and the output token ids exactly as delivered (after stop-string
+trimming). A child's prompt is built from those lists: no re-tokenisation,
+and never tokens the client did not see.
+
+Records are bounded in number (oldest dropped first) and in time (a parent
+is forgotten when its retention, or the default TTL, runs out). With several
+API-server processes each has its own registry: a child must reach the
+process that served its parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+MAX_RECORDS = 4096
+
+
+class ParentNotFound(LookupError):
+    """Unknown, expired, aborted, or (to the caller) belonging to another tenant."""
+
+
+@dataclass(slots=True)
+class ParentRecord:
+    """One engine request (one choice of a response) as its client saw it."""
+
+    external_id: str
+    choice: int
+    engine_request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    lora_name: str | None
+    retain_kv: bool
+    ttl: float | None
+    """The request's own retain_kv_ttl; None means the server default."""
+    is_continuation: bool = False
+    output_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    finished_at: float | None = None
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def expired(self, now: float, default_ttl: float) -> bool:
+        """Finished longer ago than its TTL (a running parent never expires)."""
+        if self.finished_at is None:
+            return False
+        ttl = default_ttl if self.ttl is None else self.ttl
+        return self.finished_at + ttl <= now
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then delivered output: the prefix a child continues."""
+        assert self.output_token_ids is not None, "parent has not finished"
+        return self.prompt_token_ids + self.output_token_ids
+
+
+class ParentRegistry:
+    """Records by (external request id, choice index), oldest first."""
+
+    def __init__(self, max_records: int = MAX_RECORDS) -> None:
+        self.max_records = max_records
+        self._records: OrderedDict[tuple[str, int], ParentRecord] = OrderedDict()
+        self.release_expired: Callable[[], Awaitable[Any]] | None = None
+        self.default_ttl = 0.0
+
+    def bind(
+        self, release_expired: Callable[[], Awaitable[Any]], default_ttl: float
+    ) -> None:
+        """Lets the registry wake the engine to release expired retentions."""
+        self.release_expired = release_expired
+        self.default_ttl = default_ttl
+
+    def release_when_expired(self, record: ParentRecord) -> None:
+        """Asks the engine to release ``record``'s blocks once its TTL is over.
+
+        Only with a bound engine and a running event loop (the API server);
+        an offline engine releases expired parents at its next step.
+        """
+        if self.release_expired is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        ttl = self.default_ttl if record.ttl is None else record.ttl
+        loop.call_later(ttl + 0.01, self._release_soon, loop)
+
+    def _release_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self.release_expired is not None
+        task = loop.create_task(self.release_expired())
+        task.add_done_callback(_log_failure)
+
+    def started(self, record: ParentRecord) -> None:
+        key = (record.external_id, record.choice)
+        self._records.pop(key, None)
+        self._records[key] = record
+        while len(self._records) > self.max_records:
+            self._records.popitem(last=False)
+
+    def finished(
+        self, record: ParentRecord, output_token_ids: list[int], finish_reason: str
+    ) -> None:
+        """Completes ``record``; an aborted request is forgotten at once."""
+        record.output_token_ids = list(output_token_ids)
+        record.finish_reason = finish_reason
+        record.finished_at = time.monotonic()
+        if finish_reason == "abort":
+            self._records.pop((record.external_id, record.choice), None)
+        for waiter in record.waiters:
+            waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
+        record.waiters.clear()
+
+    def find(
+        self, external_id: str, choice: int, cache_salt: str | None, default_ttl: float
+    ) -> ParentRecord:
+        """The live record, or ``ParentNotFound``.
+
+        A cache_salt mismatch is answered exactly like an unknown id, so ids
+        cannot be probed across tenants.
+        """
+        record = self._records.get((external_id, choice))
+        if (
+            record is None
+            or record.expired(time.monotonic(), default_ttl)
+            or record.cache_salt != cache_salt
+        ):
+            raise ParentNotFound(external_id)
+        return record
+
+    def find_response(
+        self, response_id: str, choice: int, cache_salt: str | None, default_ttl: float
+    ) -> ParentRecord:
+        """Looks up by OpenAI response id.
+
+        Completions send prompt ``p`` as engine request ``{id}-{p}``; chat
+        sends ``{id}`` itself.
+        """
+        for external_id in (response_id, f"{response_id}-0"):
+            try:
+                return self.find(external_id, choice, cache_salt, default_ttl)
+            except ParentNotFound:
+                continue
+        raise ParentNotFound(response_id)
+
+    async def wait(self, record: ParentRecord, timeout: float) -> None:
+        """Returns once ``record`` has finished; ``ParentNotFound`` on timeout."""
+        if record.finished:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        record.waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            raise ParentNotFound(record.external_id) from None
+        finally:
+            if waiter in record.waiters:
+                record.waiters.remove(waiter)
+        if (record.external_id, record.choice) not in self._records:
+            raise ParentNotFound(record.external_id)  # aborted meanwhile
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning(
+            "vllm-kvreuse: releasing expired KV failed: %s", task.exception()
+        )
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+# One registry per OutputProcessor, and each RequestState's record; weak
+# keys, so both go away with the objects vLLM owns.
+_registries: weakref.WeakKeyDictionary[Any, ParentRegistry] = (
+    weakref.WeakKeyDictionary()
+)
+_records: weakref.WeakKeyDictionary[Any, tuple[ParentRegistry, ParentRecord]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def registry_of(output_processor: Any) -> ParentRegistry:
+    """The registry of an ``OutputProcessor``, created on first use."""
+    registry = _registries.get(output_processor)
+    if registry is None:
+        registry = _registries[output_processor] = ParentRegistry()
+    return registry
+
+
+def track(registry: ParentRegistry, request_state: Any, record: ParentRecord) -> None:
+    registry.started(record)
+    _records[request_state] = (registry, record)
+
+
+def record_of(request_state: Any) -> tuple[ParentRegistry, ParentRecord] | None:
+    return _records.get(request_state)
