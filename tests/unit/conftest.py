@@ -78,6 +78,7 @@ def make_request(
     request_id: str,
     prompt: Sequence[int],
     max_tokens: int = 4,
+    cache_salt: str | None = None,
     **extra_args: Any,
 ) -> Request:
     global _hasher
@@ -92,6 +93,7 @@ def make_request(
         prompt_token_ids=list(prompt),
         sampling_params=params,
         pooling_params=None,
+        cache_salt=cache_salt,
         block_hasher=_hasher,
     )
 

@@ -29,7 +29,9 @@ def test_every_registered_patch_is_applied(patch) -> None:
     current = inspect.getattr_static(owner, attr)
     raw = getattr(current, "__func__", current)
     assert is_patched(raw), f"{patch.target} is registered but not applied"
-    if patch.kind != "new":
+    if patch.kind == "subclass":
+        assert raw.__bases__ == (patch.original(),)
+    elif patch.kind != "new":
         assert raw.__wrapped__ is patch.original()
 
 

@@ -39,10 +39,15 @@ def assert_rejected(scheduler, outputs, request) -> None:
 
 
 def test_scheduler_class_is_composed(make_scheduler) -> None:
-    """vLLM's own choice (Scheduler here) gets the threshold mixin in front."""
+    """vLLM's own choice (Scheduler here) gets the feature mixins in front."""
     scheduler = make_scheduler()
     names = [cls.__name__ for cls in type(scheduler).__mro__]
-    assert names[:3] == ["KVReuseScheduler", "CacheHitThresholdMixin", "Scheduler"]
+    assert names[:4] == [
+        "KVReuseScheduler",
+        "CacheHitThresholdMixin",
+        "ContinuationMixin",
+        "Scheduler",
+    ]
 
 
 def test_default_threshold_admits_cold_request(make_scheduler) -> None:

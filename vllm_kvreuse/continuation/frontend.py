@@ -272,6 +272,10 @@ def continuable_completion_request(original: type) -> type:
     """``CompletionRequest`` that accepts a continuation without a prompt."""
 
     class CompletionRequest(original):  # type: ignore[misc, valid-type]
+        __doc__ = original.__doc__
+        __module__ = original.__module__
+        __qualname__ = original.__qualname__
+
         @model_validator(mode="before")
         @classmethod
         def validate_prompt_and_prompt_embeds(cls, data: Any) -> Any:
@@ -279,9 +283,6 @@ def continuable_completion_request(original: type) -> type:
                 return data  # resolve_http checks the prompt is absent
             return original.validate_prompt_and_prompt_embeds(data)
 
-    CompletionRequest.__doc__ = original.__doc__
-    CompletionRequest.__module__ = original.__module__
-    CompletionRequest.__qualname__ = original.__qualname__
     return CompletionRequest
 
 
