@@ -177,3 +177,28 @@ def test_inherited_tokens_count_for_the_cache_hit_threshold(make_scheduler) -> N
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"c": len(SUFFIX) + 1}
     assert scheduler.num_cache_threshold_rejections == 0
+
+
+def test_request_sharing_a_retained_prefix_extends_into_its_tail(
+    make_scheduler,
+) -> None:
+    """Front-end beam search names no parent; each beam request still gets the
+    parent's partial tail block (copied), found through its last full block."""
+    scheduler = make_scheduler()
+    retained_parent(scheduler)
+    parent_blocks = scheduler.retained.get("p", time.monotonic()).blocks[0]
+    scheduler.add_request(make_request("beam", CHILD_PROMPT, max_tokens=3))
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"beam": len(SUFFIX) + 1}
+    copies = [tuple(c) for c in output.kv_cache_block_copies or []]
+    assert copies == [(parent_blocks[3].block_id, block_ids(scheduler, "beam")[3])]
+
+
+def test_diverging_tail_is_not_extended(make_scheduler) -> None:
+    scheduler = make_scheduler()
+    retained_parent(scheduler)
+    other = PROMPT[:96] + [1] * 12  # same full blocks, different tail tokens
+    scheduler.add_request(make_request("other", other, max_tokens=1))
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"other": len(other) - 96}
+    assert not output.kv_cache_block_copies

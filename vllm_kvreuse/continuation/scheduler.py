@@ -17,6 +17,13 @@ Block ownership:
   done by the worker before the forward pass), so children never write into
   a shared block. The child's prefill is then the tokens past that prefix:
   the suffix plus the parent's last sampled token, which has no KV yet.
+- A request that does not name a parent but shares a retained parent's
+  prefix (front-end beam search sends one such request per beam per step) is
+  found by the prefix cache up to the parent's last full block; it is then
+  extended into the parent's partial tail block the same way, copy-on-write,
+  so the tail is not recomputed either. The lookup is one dict access keyed
+  by the hash of that last full block, whose identity the prefix-cache hit
+  itself proves.
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ class ContinuationMixin(Scheduler):
         # Set when blocks were released outside a step, so that one (empty)
         # step runs and publishes the new KV usage in the scheduler stats.
         self._publish_release = False
+        # Retained parents with a partial tail block, by the hash of their
+        # last full block (see _extend_into_retained_tail).
+        self._tails: dict[Any, str] = {}
 
     def _kv_layout_supports_inheritance(self) -> bool:
         """Full attention in every group, prefix caching on: blocks are positional."""
@@ -121,7 +131,8 @@ class ContinuationMixin(Scheduler):
         inherited = self._inherited_hit(request)
         if inherited is not None:
             return inherited
-        return super()._get_local_prefix_cache_hit(request)
+        hit = super()._get_local_prefix_cache_hit(request)
+        return self._extend_into_retained_tail(request, hit) or hit
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Releases every retained parent too: its blocks are cache."""
@@ -165,9 +176,15 @@ class ContinuationMixin(Scheduler):
         for group in blocks:
             self.kv_cache_manager.block_pool.touch(group)
         self._release(self.retained.add(entry))
+        num_full = num_computed // self.block_size
+        if num_computed % self.block_size and num_full:
+            self._tails[request.block_hashes[num_full - 1]] = request.request_id
 
     def _release(self, entries: list[RetainedParent]) -> None:
         """Drops the store's reference on each entry's blocks."""
+        if entries and self._tails:
+            released = {entry.request_id for entry in entries}
+            self._tails = {h: r for h, r in self._tails.items() if r not in released}
         for entry in entries:
             for group in entry.blocks:
                 # Tail first, as upstream frees: tails are evicted first.
@@ -209,3 +226,41 @@ class ContinuationMixin(Scheduler):
         num_blocks = -(-num_tokens // self.block_size)
         blocks = KVCacheBlocks(tuple(group[:num_blocks] for group in entry.blocks))
         return blocks, num_tokens, 0, False
+
+    def _extend_into_retained_tail(
+        self, request: Request, hit: tuple[KVCacheBlocks, int, int, bool]
+    ) -> tuple[KVCacheBlocks, int, int, bool] | None:
+        """Extends a block-aligned prefix-cache hit into a retained parent's tail.
+
+        The hit's last block is the parent's last full block (same hash, and
+        checked to be the same physical block), so the tokens before it are the
+        parent's; the tail's own tokens are compared. Pure lookup.
+        """
+        blocks, num_tokens, _, diverged = hit
+        if (
+            not self._tails
+            or not self.supports_inheritance
+            or diverged
+            or num_tokens == 0
+            or num_tokens % self.block_size
+        ):
+            return None
+        num_full = num_tokens // self.block_size
+        parent_id = self._tails.get(request.block_hashes[num_full - 1])
+        entry = self.retained.get(parent_id, time.monotonic()) if parent_id else None
+        if entry is None or entry.blocks[0][num_full - 1] is not blocks.blocks[0][-1]:
+            return None
+        num_tail = common_prefix_length(
+            request.all_token_ids[num_tokens:],
+            entry.token_ids[num_tokens:],
+            limit=request.num_tokens - 1 - num_tokens,
+        )
+        if num_tail == 0:
+            return None
+        extended = KVCacheBlocks(
+            tuple(
+                [*group, parent_group[num_full]]
+                for group, parent_group in zip(blocks.blocks, entry.blocks, strict=True)
+            )
+        )
+        return extended, num_tokens + num_tail, 0, False

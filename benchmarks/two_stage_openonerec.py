@@ -1,0 +1,262 @@
+"""Two-stage generative recommendation (OpenOneRec) against one `vllm serve`.
+
+Stage 1 samples a "thinking" text (greedy here, so that every mode sees the
+same text) that would end at `</think>`; stage 2 beam-searches semantic-id
+tokens (width 32, 3 tokens) after `</think>\\n<|sid_begin|>`. Each request
+runs its two stages back to back, `--concurrency` requests at a time, in three
+modes against the same server (the prefix cache is reset between modes):
+
+  (a) text:         stage 2 is a text prompt: stage-1 prompt + stage-1 text +
+                    suffix (plain vLLM practice; re-tokenised)
+  (b) token ids:    stage 2 is stage-1 prompt ids + output ids + suffix ids
+                    (plain vLLM with prefix caching)
+  (c) continuation: stage 2 names stage 1 by id (`continuation_of`), stage 1
+                    asked for `retain_kv` (vllm-kvreuse)
+
+Stage-2 prefill tokens computed are read from the server's /metrics
+(`vllm:prompt_tokens_by_source{source="local_compute"}`) minus what stage 1
+computed (from its usage). vLLM counts a request's first prefill there, not a
+recomputation after preemption; preemptions are printed beside it.
+
+    .venv/bin/python benchmarks/two_stage_openonerec.py               # ample pool
+    .venv/bin/python benchmarks/two_stage_openonerec.py --kv-blocks 120  # tight pool
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vllm_kvreuse.testing.server import SERVED_MODEL, Server
+
+SUFFIX = "</think>\n<|sid_begin|>"
+MODES = ("text", "token_ids", "continuation")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    stage1_ttft: list[float] = field(default_factory=list)
+    stage2_latency: list[float] = field(default_factory=list)
+    stage1_computed: int = 0
+    stage2_prompt_tokens: int = 0
+    beams: dict[int, list[str]] = field(default_factory=dict)
+    wall: float = 0.0
+    computed_total: float = 0.0
+    preemptions: float = 0.0
+
+    @property
+    def stage2_computed(self) -> float:
+        return self.computed_total - self.stage1_computed
+
+
+def user_prompt(i: int, words: int) -> str:
+    history = " ".join(f"item{(i * 7919 + j * 104729) % 5003}" for j in range(words))
+    return f"<|im_start|>user\nUser {i} watched: {history}\nRecommend.<|im_end|>\n" \
+        "<|im_start|>assistant\n<think>"  # fmt: skip
+
+
+async def stage1(client: httpx.AsyncClient, prompt: str, args, retain: bool) -> dict:
+    body = {
+        "model": SERVED_MODEL, "prompt": prompt, "max_tokens": args.thinking_tokens,
+        "temperature": 0.0, "stream": True, "return_token_ids": True,
+        "stop_token_ids": [args.think_end_id], "skip_special_tokens": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }  # fmt: skip
+    if retain:
+        body["retain_kv"] = True
+    start = time.perf_counter()
+    ttft, text, ids, prompt_ids, usage, rid = None, [], [], None, None, None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            rid = chunk["id"]
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                if ttft is None and (choice.get("text") or choice.get("token_ids")):
+                    ttft = time.perf_counter() - start
+                text.append(choice.get("text") or "")
+                ids += choice.get("token_ids") or []
+                prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+    return dict(id=rid, ttft=ttft, text="".join(text), ids=ids,
+                prompt_ids=prompt_ids, usage=usage)  # fmt: skip
+
+
+async def stage2(client: httpx.AsyncClient, mode: str, prompt: str, s1: dict, args):
+    body = {
+        "model": SERVED_MODEL, "max_tokens": 3, "n": args.beam_width,
+        "use_beam_search": True, "temperature": 0.0,
+    }  # fmt: skip
+    if mode == "text":
+        body["prompt"] = prompt + s1["text"] + SUFFIX
+    elif mode == "token_ids":
+        body["prompt"] = s1["prompt_ids"] + s1["ids"] + args.suffix_ids
+    else:
+        body["continuation_of"] = s1["id"]
+        body["continuation_suffix_token_ids"] = args.suffix_ids
+    start = time.perf_counter()
+    response = await client.post("/v1/completions", json=body)
+    response.raise_for_status()
+    latency = time.perf_counter() - start
+    data = response.json()
+    num_prompt = (
+        len(body["prompt"]) if mode == "token_ids"
+        else len(s1["prompt_ids"]) + len(s1["ids"]) + len(args.suffix_ids)
+    )  # fmt: skip
+    return latency, [c["text"] for c in data["choices"]], num_prompt
+
+
+async def run_mode(server: Server, mode: str, args) -> ModeResult:
+    result = ModeResult(mode)
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=600, limits=limits
+    ) as client:
+        (await client.post("/reset_prefix_cache")).raise_for_status()
+        computed0 = server.metric(
+            "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
+        )
+        preempt0 = server.metric("vllm:num_preemptions_total")
+        semaphore = asyncio.Semaphore(args.concurrency)
+
+        async def one(i: int) -> None:
+            async with semaphore:
+                prompt = user_prompt(i, args.prompt_words)
+                s1 = await stage1(client, prompt, args, retain=mode == "continuation")
+                usage = s1["usage"]
+                cached = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens"
+                ) or 0
+                result.stage1_computed += usage["prompt_tokens"] - cached
+                result.stage1_ttft.append(s1["ttft"])
+                latency, beams, num_prompt = await stage2(
+                    client, mode, prompt, s1, args
+                )
+                result.stage2_latency.append(latency)
+                result.stage2_prompt_tokens += num_prompt
+                result.beams[i] = beams
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(args.requests)))
+        result.wall = time.perf_counter() - start
+        await asyncio.sleep(1.5)  # let the last scheduler stats reach /metrics
+        result.computed_total = (
+            server.metric(
+                "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
+            )
+            - computed0
+        )
+        result.preemptions = server.metric("vllm:num_preemptions_total") - preempt0
+    return result
+
+
+def p99(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def report(results: dict[str, ModeResult], args) -> None:
+    pool = args.kv_blocks or "ample"
+    print(
+        f"\n{args.requests} two-stage requests, concurrency {args.concurrency}, "
+        f"beam width {args.beam_width}, {args.thinking_tokens} thinking tokens, "
+        f"KV pool: {pool} blocks of {args.block_size} tokens"
+    )
+    columns = ("mode", "s1 TTFT p50", "p99", "s2 lat p50", "p99",
+               "s2 computed/prompt", "preempt", "wall s", "req/s")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for r in results.values():
+        row = (
+            r.mode,
+            f"{statistics.median(r.stage1_ttft) * 1e3:.0f} ms",
+            f"{p99(r.stage1_ttft) * 1e3:.0f} ms",
+            f"{statistics.median(r.stage2_latency) * 1e3:.0f} ms",
+            f"{p99(r.stage2_latency) * 1e3:.0f} ms",
+            f"{r.stage2_computed / r.stage2_prompt_tokens:.2f}",
+            f"{r.preemptions:.0f}",
+            f"{r.wall:.1f}",
+            f"{args.requests / r.wall:.2f}",
+        )
+        print("| " + " | ".join(row) + " |")
+    c = results["continuation"]
+    c_latency = statistics.median(c.stage2_latency)
+    for base in ("text", "token_ids"):
+        b = results[base]
+        latency = statistics.median(b.stage2_latency) / c_latency
+        computed = b.stage2_computed / max(c.stage2_computed, 1)
+        print(
+            f"({base}) / (continuation): wall {b.wall / c.wall:.2f}x, "
+            f"stage-2 latency p50 {latency:.2f}x, "
+            f"stage-2 computed tokens {computed:.2f}x"
+        )
+    same = results["token_ids"].beams == c.beams
+    print(f"stage-2 beams identical, (token_ids) vs (continuation): {same}")
+    text_same = results["text"].beams == c.beams
+    print(
+        f"stage-2 beams identical, (text) vs (continuation): {text_same} "
+        "(text re-tokenisation changes the prompt, so a difference is expected)"
+    )
+    if not same:
+        raise SystemExit("beams differ between token ids and continuation")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--prompt-words", type=int, default=260)
+    parser.add_argument("--thinking-tokens", type=int, default=128)
+    parser.add_argument("--beam-width", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--kv-blocks", type=int, default=0, help="0: ample pool")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache
+    server_args = [
+        "--max-logprobs", str(2 * args.beam_width), "--max-model-len", "2048",
+        "--max-num-batched-tokens", "4096",
+    ]  # fmt: skip
+    if args.kv_blocks:
+        server_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    with Server(
+        args.model, *server_args, log_path=log, block_size=args.block_size
+    ) as server:
+        tokens = httpx.post(
+            f"{server.url}/tokenize",
+            json={"model": SERVED_MODEL, "prompt": SUFFIX, "add_special_tokens": False},
+        )
+        args.suffix_ids = tokens.json()["tokens"]
+        think = httpx.post(
+            f"{server.url}/tokenize",
+            json={
+                "model": SERVED_MODEL,
+                "prompt": "</think>",
+                "add_special_tokens": False,
+            },
+        )
+        (args.think_end_id,) = think.json()["tokens"]
+        results = {}
+        for mode in args.modes.split(","):
+            results[mode] = asyncio.run(run_mode(server, mode, args))
+            print(f"mode {mode}: {results[mode].wall:.1f}s", flush=True)
+    print(f"server log: {log}")
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()
