@@ -162,6 +162,10 @@ async def run_mode(server: Server, mode: str, args) -> ModeResult:
     return result
 
 
+def stage2_prompt_tokens(results: dict[str, ModeResult], args) -> float:
+    return results["continuation"].stage2_prompt_tokens / args.requests
+
+
 def p99(values: list[float]) -> float:
     return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))]
 
@@ -171,7 +175,8 @@ def report(results: dict[str, ModeResult], args) -> None:
     print(
         f"\n{args.requests} two-stage requests, concurrency {args.concurrency}, "
         f"beam width {args.beam_width}, {args.thinking_tokens} thinking tokens, "
-        f"KV pool: {pool} blocks of {args.block_size} tokens"
+        f"KV pool: {pool} blocks of {args.block_size} tokens, "
+        f"stage-2 prompt {stage2_prompt_tokens(results, args):.0f} tokens on average"
     )
     columns = ("mode", "s1 TTFT p50", "p99", "s2 lat p50", "p99",
                "s2 computed/prompt", "preempt", "wall s", "req/s")  # fmt: skip
@@ -222,6 +227,7 @@ def main() -> None:
     parser.add_argument("--beam-width", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, default=0, help="0: ample pool")
+    parser.add_argument("--retain-kv-max-fraction", type=float, default=0.25)
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
 
@@ -229,6 +235,7 @@ def main() -> None:
     server_args = [
         "--max-logprobs", str(2 * args.beam_width), "--max-model-len", "2048",
         "--max-num-batched-tokens", "4096",
+        "--retain-kv-max-fraction", str(args.retain_kv_max_fraction),
     ]  # fmt: skip
     if args.kv_blocks:
         server_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]

@@ -1,0 +1,49 @@
+"""AsyncLLM.generate_continuation: a child that arrives while its parent runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from tests.conftest import ENGINE_KWARGS
+
+PROMPT = list(range(700, 790))
+SUFFIX = [5, 6, 7]
+
+
+async def last(generator):
+    outputs = [output async for output in generator]
+    return outputs[-1]
+
+
+def test_child_waits_for_a_running_parent(model_dir: str) -> None:
+    async def scenario():
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(model=model_dir, max_model_len=512, **ENGINE_KWARGS)
+        )
+        try:
+            parent_params = SamplingParams(
+                max_tokens=40, temperature=0.0, ignore_eos=True,
+                extra_args={"retain_kv": True},
+            )  # fmt: skip
+            parent_task = asyncio.create_task(
+                last(engine.generate({"prompt_token_ids": PROMPT}, parent_params, "p"))
+            )
+            await asyncio.sleep(0.05)  # the parent is running, not finished
+            assert not parent_task.done()
+            child = await last(
+                engine.generate_continuation(
+                    "p", "c", SamplingParams(max_tokens=4, temperature=0.0), SUFFIX
+                )
+            )
+            parent = await parent_task
+            return parent, child
+        finally:
+            engine.shutdown()
+
+    parent, child = asyncio.run(scenario())
+    assert child.prompt_token_ids == PROMPT + list(parent.outputs[0].token_ids) + SUFFIX
+    assert child.num_cached_tokens == len(child.prompt_token_ids) - len(SUFFIX) - 1
