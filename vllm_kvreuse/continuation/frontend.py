@@ -234,36 +234,39 @@ def make_release_expired_utility(_: None) -> Callable[..., Any]:
     return kvreuse_release_expired
 
 
+async def render_continuation(
+    serving: Any, request: Any, prompt_given: bool
+) -> list[Any] | Any | None:
+    """Engine inputs (or an error object) for a continuation; None otherwise."""
+    bound_registry(serving.engine_client)
+    try:
+        inputs = await resolve_http(serving, request, prompt_given)
+    except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
+        return error_response(serving, e)
+    if inputs is None:
+        return None
+    return await serving._check_model(request) or inputs
+
+
 def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[..., Any]:
     async def render_completion_request(self: Any, request: Any) -> Any:
-        bound_registry(self.engine_client)
-        try:
-            inputs = await resolve_http(
-                self, request, prompt_given=request.prompt not in (None, "", [])
-            )
-        except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
-            return error_response(self, e)
-        if inputs is None:
+        given = request.prompt not in (None, "", [])
+        result = await render_continuation(self, request, prompt_given=given)
+        if result is None:
             return await original(self, request)
-        error = await self._check_model(request)
-        return error if error is not None else inputs
+        return result
 
     return render_completion_request
 
 
 def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
     async def render_chat_request(self: Any, request: Any) -> Any:
-        bound_registry(self.engine_client)
-        try:
-            inputs = await resolve_http(
-                self, request, prompt_given=bool(request.messages)
-            )
-        except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
-            return error_response(self, e)
-        if inputs is None:
+        given = bool(request.messages)
+        result = await render_continuation(self, request, prompt_given=given)
+        if result is None:
             return await original(self, request)
-        error = await self._check_model(request)
-        return error if error is not None else ([], inputs)
+        # Chat returns (conversation, inputs); a continuation has no messages.
+        return ([], result) if isinstance(result, list) else result
 
     return render_chat_request
 
