@@ -39,9 +39,10 @@ class CacheHitThresholdMixin(Scheduler):
     """Rejects waiting requests whose hit rate is below their threshold.
 
     State:
-    - ``_judged[req_id]`` holds the request's ``num_preemptions`` when it was
-      last judged; a preemption makes it due again. Entries leave with the
-      request (``_free_request``).
+    - ``_due`` holds the waiting requests not yet judged in their current
+      life: a request enters on arrival (``add_request``) and again when it is
+      preempted (``_preempt_request``), and leaves once judged or freed. So a
+      step looks only at new arrivals, not at the whole waiting queue.
     - ``_rejected`` holds outputs for requests finished by ``schedule()``;
       the next ``update_from_output()`` hands them to the frontend (vLLM
       calls it after every ``schedule()``, also with the batch queue).
@@ -51,7 +52,7 @@ class CacheHitThresholdMixin(Scheduler):
         super().__init__(*args, **kwargs)
         config = KVReuseConfig.from_vllm_config(self.vllm_config)
         self.global_cache_hit_threshold = config.global_cache_hit_threshold
-        self._judged: dict[str, int] = {}
+        self._due: dict[str, Request] = {}
         self._rejected: list[EngineCoreOutput] = []
         self._rejected_clients: list[int] = []
         self.num_cache_threshold_rejections = 0
@@ -59,8 +60,19 @@ class CacheHitThresholdMixin(Scheduler):
     # -- hooks into upstream -------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        self._judge_waiting_requests()
+        self._judge_due_requests()
         return super().schedule(*args, **kwargs)
+
+    def add_request(self, request: Request) -> None:
+        # An id already known is a streaming-input update, not a new request.
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        if is_new:
+            self._due[request.request_id] = request
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        self._due[request.request_id] = request
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -79,7 +91,7 @@ class CacheHitThresholdMixin(Scheduler):
         return bool(self._rejected) or super().has_requests()
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
-        self._judged.pop(request.request_id, None)
+        self._due.pop(request.request_id, None)
         return super()._free_request(request, *args, **kwargs)
 
     # -- the check ----------------------------------------------------------
@@ -107,11 +119,17 @@ class CacheHitThresholdMixin(Scheduler):
             return None
         return min(max(num_local, aligned_local + num_external), request.num_tokens)
 
-    def _judge_waiting_requests(self) -> None:
-        """Finishes every due waiting request whose hit rate is below threshold."""
-        if self._pause_state != PauseState.UNPAUSED:
+    def _judge_due_requests(self) -> None:
+        """Finishes every due request whose hit rate is below its threshold."""
+        if self._pause_state != PauseState.UNPAUSED or not self._due:
             return
-        rejected = [request for request in self.waiting if self._should_reject(request)]
+        rejected = []
+        for request in list(self._due.values()):
+            verdict = self._judge(request)
+            if verdict is not None:
+                del self._due[request.request_id]
+            if verdict:
+                rejected.append(request)
         if rejected:
             self.finish_requests(
                 [request.request_id for request in rejected],
@@ -131,25 +149,20 @@ class CacheHitThresholdMixin(Scheduler):
             )
         self.num_cache_threshold_rejections += len(rejected)
 
-    def _should_reject(self, request: Request) -> bool:
-        """Judges ``request`` if it is due; True if it must be turned back."""
-        if (
-            request.status not in _JUDGED_STATUSES
-            or request.num_computed_tokens
-            or request.num_stale_output_tokens
-            or self._judged.get(request.request_id) == request.num_preemptions
-        ):
-            return False
+    def _judge(self, request: Request) -> bool | None:
+        """True to reject, False to admit, None to judge again next step."""
+        if request.status not in _JUDGED_STATUSES or request.num_computed_tokens:
+            return False  # upstream has already taken it on
+        if request.num_stale_output_tokens:
+            return None  # in-flight output of a preempted request drains first
         params = request.sampling_params
         extra_args = params.extra_args if params is not None else None
         threshold = effective_threshold(extra_args, self.global_cache_hit_threshold)
         if threshold <= 0.0:
-            self._judged[request.request_id] = request.num_preemptions
             return False
         num_hits = self.num_cache_hit_tokens(request)
         if num_hits is None:
-            return False
-        self._judged[request.request_id] = request.num_preemptions
+            return None
         decision = decide(num_hits, request.num_tokens, threshold)
         if not decision.admit:
             logger.debug(

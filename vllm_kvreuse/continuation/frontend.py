@@ -203,7 +203,8 @@ def error_response(serving: Any, error: Exception) -> Any:
         count_continuation("not_found", 0)
         return serving.create_error_response(
             f"no retained or recent request with id {error.args[0]!r} "
-            "(unknown, expired, aborted, or not visible to this cache_salt)",
+            "(unknown, expired, aborted, served by another API-server process, "
+            "or not visible to this cache_salt)",
             err_type="NotFoundError",
             status_code=HTTPStatus.NOT_FOUND,
             param=CONTINUATION_OF,
