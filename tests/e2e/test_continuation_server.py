@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
+import time
 
+import httpx
 import openai
 import pytest
 
@@ -142,3 +145,31 @@ def test_metrics_count_continuations(client, server: Server) -> None:
     )
     assert after == before + 1
     assert server.metric("vllm_kvreuse:continuation_cached_prompt_tokens_total") > 0
+
+
+def test_expired_parent_is_404(client) -> None:
+    par = parent(client, retain_kv_ttl=0.5)
+    time.sleep(1.0)
+    with pytest.raises(openai.NotFoundError):
+        complete(client, continuation_of=par.id)
+
+
+def test_disconnected_parent_retains_nothing(client, server: Server) -> None:
+    """A client that goes away mid-stream aborts its request: no KV is kept
+    (usage is back to 0 at once, not after the TTL) and the id is unknown."""
+    body = {
+        "model": SERVED_MODEL, "prompt": parent_prompt(), "max_tokens": 400,
+        "ignore_eos": True, "stream": True, "retain_kv": True, "cache_hit_threshold": 0,
+    }  # fmt: skip
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, timeout=30
+    ) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+    response_id = json.loads(first[6:])["id"]
+    deadline = time.monotonic() + 1.5  # well below the 2 s TTL
+    while server.metric("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "an aborted parent kept its KV"
+        time.sleep(0.1)
+    with pytest.raises(openai.NotFoundError):
+        complete(client, continuation_of=response_id)
