@@ -152,33 +152,50 @@ class ContinuationMixin(Scheduler):
         )
 
     def _retain(self, request: Request) -> None:
-        """Takes the store's reference on the blocks of the computed tokens."""
-        # The last sampled token has no KV yet (and may be in flight with
-        # async scheduling); everything before it was computed.
-        num_computed = min(request.num_computed_tokens, request.num_tokens - 1)
-        num_blocks = -(-num_computed // self.block_size)
-        groups = self.kv_cache_manager.get_blocks(request.request_id).blocks
-        blocks = tuple(list(group[:num_blocks]) for group in groups)
+        """Moves ``request``'s computed blocks into the retention store."""
         assert request.sampling_params is not None
         ttl = params.retention_ttl(
             request.sampling_params.extra_args, self.retain_kv_ttl
         )
-        entry = RetainedParent(
+        entry = self._hold(request, time.monotonic() + ttl)
+        if entry is None:
+            return
+        if not self.retained.fits(entry.num_blocks):
+            self._release([entry])
+            return
+        self._release(self.retained.add(entry))
+        num_computed = len(entry.token_ids)
+        num_full = num_computed // self.block_size
+        if num_computed % self.block_size and num_full:
+            self._tails[request.block_hashes[num_full - 1]] = request.request_id
+
+    def _hold(self, request: Request, expires_at: float) -> RetainedParent | None:
+        """Takes one reference on the blocks of ``request``'s computed tokens.
+
+        The caller owns the returned entry and must ``_release`` it.
+        """
+        # The last sampled token has no KV yet (and may be in flight with
+        # async scheduling); everything before it was computed.
+        num_computed = min(request.num_computed_tokens, request.num_tokens - 1)
+        if num_computed <= 0:
+            return None
+        num_blocks = -(-num_computed // self.block_size)
+        groups = self.kv_cache_manager.get_blocks(request.request_id).blocks
+        blocks = tuple(list(group[:num_blocks]) for group in groups)
+        for group in blocks:
+            self.kv_cache_manager.block_pool.touch(group)
+        return RetainedParent(
             request_id=request.request_id,
             blocks=blocks,
             token_ids=list(request.all_token_ids[:num_computed]),
             cache_salt=request.cache_salt,
             lora_int_id=lora_id(request),
-            expires_at=time.monotonic() + ttl,
+            expires_at=expires_at,
         )
-        if num_computed == 0 or not self.retained.fits(entry.num_blocks):
-            return
-        for group in blocks:
-            self.kv_cache_manager.block_pool.touch(group)
-        self._release(self.retained.add(entry))
-        num_full = num_computed // self.block_size
-        if num_computed % self.block_size and num_full:
-            self._tails[request.block_hashes[num_full - 1]] = request.request_id
+
+    def _parent_entry(self, parent_id: str) -> RetainedParent | None:
+        """The held KV of ``parent_id``; other mixins may hold parents too."""
+        return self.retained.get(parent_id, time.monotonic())
 
     def _release(self, entries: list[RetainedParent]) -> None:
         """Drops the store's reference on each entry's blocks."""
@@ -210,7 +227,7 @@ class ContinuationMixin(Scheduler):
             request
         ):
             return None
-        entry = self.retained.get(parent_id, time.monotonic())
+        entry = self._parent_entry(parent_id)
         if (
             entry is None
             or entry.cache_salt != request.cache_salt
