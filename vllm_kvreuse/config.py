@@ -50,6 +50,12 @@ def parse_seconds(value: Any, name: str) -> float:
     return number
 
 
+def parse_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     """One setting: its name in additional_config, CLI flag, parser and help."""
@@ -100,6 +106,15 @@ OPTIONS: tuple[Option, ...] = (
         "to prefix caching).",
     ),
     Option(
+        "engine_beam_search",
+        parse_bool,
+        False,
+        "Run use_beam_search requests inside the engine: one engine request "
+        "per beam per step, each forking its parent beam's KV blocks "
+        "(copy-on-write tail) instead of re-prefilling, with no front-end "
+        "round trip between steps.",
+    ),
+    Option(
         "continuation_wait_timeout",
         parse_seconds,
         60.0,
@@ -118,6 +133,7 @@ class KVReuseConfig:
     retain_kv_ttl: float = 60.0
     retain_kv_max_fraction: float = 0.25
     continuation_wait_timeout: float = 60.0
+    engine_beam_search: bool = False
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVReuseConfig:

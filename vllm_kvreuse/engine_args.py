@@ -25,6 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         GROUP_TITLE, "KV-cache reuse features added by the vllm-kvreuse plugin."
     )
     for option in OPTIONS:
+        if isinstance(option.default, bool):
+            group.add_argument(
+                option.flag,
+                dest=option.name,
+                action=argparse.BooleanOptionalAction,
+                default=option.default,
+                help=option.help,
+            )
+            continue
         group.add_argument(
             option.flag,
             dest=option.name,

@@ -54,3 +54,30 @@ def count_continuation(outcome: str, num_cached_tokens: int) -> None:
     continuation_requests().labels(outcome=outcome).inc()
     if num_cached_tokens:
         continuation_cached_tokens().inc(num_cached_tokens)
+
+
+@functools.cache
+def beam_groups() -> Counter:
+    return Counter(PREFIX + "beam_groups", "Beam searches run inside the engine.")
+
+
+@functools.cache
+def beam_forks() -> Counter:
+    return Counter(
+        PREFIX + "beam_forks",
+        "Beam requests forked from a parent beam's KV blocks (engine beam search).",
+    )
+
+
+@functools.cache
+def beam_copied_blocks() -> Counter:
+    return Counter(
+        PREFIX + "beam_copied_blocks",
+        "Partial tail blocks copied (copy-on-write) when forking beams.",
+    )
+
+
+def count_beam_group(num_forks: int, num_copied_blocks: int) -> None:
+    beam_groups().inc()
+    beam_forks().inc(num_forks)
+    beam_copied_blocks().inc(num_copied_blocks)

@@ -340,6 +340,20 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM schedules timed work in the engine core.",
     ),
     Patch(
+        target="vllm.entrypoints.generate.beam_search.online:"
+        "BeamSearchOnlineMixin.beam_search",
+        wrapper="vllm_kvreuse.beam.frontend:wrap_beam_search",
+        kind="function",
+        signature="sha256:c2c239908fcd6434",
+        why="vLLM's beam search runs in the API server and sends one engine "
+        "request per beam per step; --engine-beam-search moves the loop into "
+        "the engine.",
+        how="With the flag on, sends one root request and converts the "
+        "engine's beams into the RequestOutput the original loop yields; with "
+        "it off, calls the original.",
+        remove_when="vLLM runs beam search in the engine.",
+    ),
+    Patch(
         target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
         wrapper="vllm_kvreuse.frontend:wrap_new_completion_output",
         kind="function",

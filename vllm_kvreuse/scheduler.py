@@ -17,14 +17,18 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvreuse.admission.scheduler import CacheHitThresholdMixin
+from vllm_kvreuse.beam.scheduler import BeamSearchMixin
 from vllm_kvreuse.continuation.scheduler import ContinuationMixin
 
 logger = init_logger(__name__)
 
-# Order matters only for reading: the threshold check asks
-# _get_local_prefix_cache_hit, which ContinuationMixin answers for children.
+# Order: the threshold check asks _get_local_prefix_cache_hit, which
+# ContinuationMixin answers for children; BeamSearchMixin builds on
+# ContinuationMixin (it holds beams' blocks) and filters member outputs before
+# the threshold mixin appends its rejections.
 SCHEDULER_MIXINS: tuple[type[Scheduler], ...] = (
     CacheHitThresholdMixin,
+    BeamSearchMixin,
     ContinuationMixin,
 )
 

@@ -46,14 +46,18 @@ def client(server: Server):
 
 @pytest.fixture(autouse=True)
 def kv_pool_is_idle_after_test(request) -> Iterator[None]:
-    """Nothing leaks: the server's KV usage is back to 0 after each test."""
+    """Nothing leaks: every server the test used is back to 0 KV usage."""
     yield
-    if "server" not in request.fixturenames:
-        return
-    srv: Server = request.getfixturevalue("server")
-    deadline = time.monotonic() + 10
-    while (usage := srv.metric("vllm:kv_cache_usage_perc")) > 0:
-        assert time.monotonic() < deadline, (
-            f"KV blocks still in use: {usage}\n{srv.log_tail()}"
-        )
-        time.sleep(0.5)
+    servers: list[Server] = []
+    for name in request.fixturenames:
+        if name in ("server", "servers"):
+            value = request.getfixturevalue(name)
+            servers += list(value) if isinstance(value, tuple) else [value]
+    for srv in servers:
+        deadline = time.monotonic() + 10
+        while (usage := srv.metric("vllm:kv_cache_usage_perc")) > 0:
+            assert time.monotonic() < deadline, (
+                f"KV blocks still in use on {srv.log_path.name}: {usage}\n"
+                f"{srv.log_tail()}"
+            )
+            time.sleep(0.5)

@@ -1,0 +1,124 @@
+"""Engine-side beam search (--engine-beam-search) against vLLM's own front-end
+beam search, over HTTP, on two real servers with the same model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import BLOCK_SIZE
+from tests.e2e.conftest import SERVED_MODEL, Server
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
+    logs = tmp_path_factory.mktemp("beam")
+    common = ["--max-logprobs", "32"]
+    reference = Server(
+        model_dir, *common, log_path=logs / "frontend.log", block_size=BLOCK_SIZE
+    )
+    try:
+        engine = Server(
+            model_dir, *common, "--engine-beam-search", "--retain-kv-ttl", "2",
+            log_path=logs / "engine.log", block_size=BLOCK_SIZE,
+        )  # fmt: skip
+    except Exception:
+        reference.close()
+        raise
+    yield reference, engine
+    engine.close()
+    reference.close()
+
+
+def beams(server: Server, prompt: list[int], width: int, max_tokens: int = 3) -> dict:
+    body = {
+        "model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
+        "use_beam_search": True, "n": width, "return_token_ids": True,
+    }  # fmt: skip
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 131 + i * 17) % 3500 + 50 for i in range(length)]
+
+
+@pytest.mark.parametrize("width", [4, 8])
+def test_same_beams_as_front_end_beam_search(servers, width: int) -> None:
+    reference, engine = servers
+    for seed in range(8):
+        p = prompt(seed, 40 + 7 * seed)  # partial last blocks of many sizes
+        expected = beams(reference, p, width)
+        got = beams(engine, p, width)
+        want = [(c["token_ids"], c["finish_reason"]) for c in expected["choices"]]
+        have = [(c["token_ids"], c["finish_reason"]) for c in got["choices"]]
+        assert have == want, f"prompt {seed}: beams differ"
+
+
+def test_forks_and_usage_are_reported(servers) -> None:
+    _, engine = servers
+    before = engine.metric("vllm_kvreuse:beam_forks_total")
+    groups = engine.metric("vllm_kvreuse:beam_groups_total")
+    result = beams(engine, prompt(99, 70), width=4, max_tokens=3)
+    assert result["usage"]["prompt_tokens_details"] is not None
+    assert engine.metric("vllm_kvreuse:beam_groups_total") == groups + 1
+    # Steps 2 and 3 fork 4 beams each.
+    assert engine.metric("vllm_kvreuse:beam_forks_total") == before + 8
+
+
+def test_width_over_max_logprobs_is_400(servers) -> None:
+    _, engine = servers
+    body = {
+        "model": SERVED_MODEL, "prompt": prompt(5, 40), "max_tokens": 2,
+        "use_beam_search": True, "n": 20,
+    }  # fmt: skip
+    response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"]
+
+
+def test_streaming_beam_search_is_400(servers) -> None:
+    _, engine = servers
+    body = {
+        "model": SERVED_MODEL, "prompt": prompt(6, 40), "max_tokens": 2,
+        "use_beam_search": True, "n": 2, "stream": True,
+    }  # fmt: skip
+    response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+
+
+def test_continuation_then_engine_beam_search(servers) -> None:
+    """OpenOneRec stage 2: beams start from a retained stage-1 parent."""
+    reference, engine = servers
+    stage1 = httpx.post(
+        f"{engine.url}/v1/completions",
+        json={
+            "model": SERVED_MODEL, "prompt": prompt(7, 90), "max_tokens": 20,
+            "temperature": 0.0, "retain_kv": True, "return_token_ids": True,
+        },
+        timeout=60,
+    ).json()  # fmt: skip
+    choice = stage1["choices"][0]
+    suffix = [3, 4, 5]
+    child = httpx.post(
+        f"{engine.url}/v1/completions",
+        json={
+            "model": SERVED_MODEL, "continuation_of": stage1["id"],
+            "continuation_suffix_token_ids": suffix, "use_beam_search": True,
+            "n": 4, "max_tokens": 3, "return_token_ids": True,
+        },
+        timeout=60,
+    ).json()  # fmt: skip
+    full = choice["prompt_token_ids"] + choice["token_ids"] + suffix
+    expected = beams(reference, full, 4)
+    assert [c["token_ids"] for c in child["choices"]] == [
+        c["token_ids"] for c in expected["choices"]
+    ]
+    # The root inherited stage 1's KV: only the suffix and one token computed.
+    cached = child["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == len(full) - len(suffix) - 1

@@ -1,0 +1,1 @@
+"""Engine-side beam search: beams fork their parent beam's KV blocks."""

@@ -1,0 +1,119 @@
+"""The beam-search step rule, as vLLM's front-end beam search applies it.
+
+Free of scheduler state. Each live beam offers the tokens of its top
+``2 * width`` log-probabilities (the sampled token first, as vLLM's sampler
+puts it, duplicates counted once); a candidate ending in EOS completes a beam
+unless ``ignore_eos``; the other candidates compete by cumulative log-prob and
+the best ``width`` live on. Ties are broken exactly as the front end breaks
+them: candidates are listed beam by beam in that token order and ranked with
+the same numpy calls. At the end, completed and live beams are ranked by
+vLLM's own length-penalised score (``create_sort_beams_key_function``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.entrypoints.generate.beam_search.utils import (
+    BeamSearchSequence,
+    create_sort_beams_key_function,
+)
+
+CONFIG_KEY = "kvreuse_beam"
+"""``extra_args`` key of a beam-search root request; its value is a config dict."""
+
+
+@dataclass(frozen=True, slots=True)
+class BeamConfig:
+    width: int
+    max_tokens: int
+    eos_token_id: int | None
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def from_extra_args(cls, extra_args: dict[str, Any] | None) -> BeamConfig | None:
+        raw = (extra_args or {}).get(CONFIG_KEY)
+        return cls(**raw) if raw else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class Beam:
+    """A live beam: its sequence, and the engine request holding its KV."""
+
+    seq: BeamSearchSequence
+    request_id: str
+
+
+@dataclass(slots=True)
+class Step:
+    """Result of one step: the next live beams, each naming its parent beam."""
+
+    beams: list[tuple[BeamSearchSequence, str]] = field(default_factory=list)
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def logprob_row(token_ids: Sequence[int], logprobs: Sequence[float], width: int):
+    """The (token, logprob) pairs the front end sees for one position."""
+    row: dict[int, float] = {}
+    n = 2 * width + 1
+    for token, logprob in zip(token_ids[:n], logprobs[:n], strict=True):
+        row.setdefault(int(token), float(logprob))
+    return row
+
+
+def expand(
+    beams: Sequence[Beam], rows: Sequence[dict[int, float]], config: BeamConfig
+) -> Step:
+    """One beam-search step from each live beam's log-prob row."""
+    step = Step()
+    candidates: list[tuple[float, int, Beam]] = []
+    for beam, row in zip(beams, rows, strict=True):
+        for token, logprob in row.items():
+            cum_logprob = beam.seq.cum_logprob + logprob
+            if token == config.eos_token_id and not config.ignore_eos:
+                tokens = (
+                    [*beam.seq.tokens, token]
+                    if config.include_stop_str_in_output
+                    else beam.seq.tokens
+                )
+                done = BeamSearchSequence(
+                    orig_prompt=beam.seq.orig_prompt, tokens=tokens, logprobs=[],
+                    cum_logprob=cum_logprob, finish_reason="stop", stop_reason=token,
+                )  # fmt: skip
+                step.completed.append(done)
+            else:
+                candidates.append((cum_logprob, token, beam))
+    scores = np.fromiter(
+        (c[0] for c in candidates), dtype=np.float64, count=len(candidates)
+    )
+    if len(candidates) <= config.width:
+        order = np.argsort(-scores)
+    else:
+        order = np.argpartition(-scores, config.width - 1)[: config.width]
+        order = order[np.argsort(-scores[order])]
+    for index in order:
+        cum_logprob, token, parent = candidates[int(index)]
+        seq = BeamSearchSequence(
+            orig_prompt=parent.seq.orig_prompt, tokens=[*parent.seq.tokens, token],
+            logprobs=[], cum_logprob=cum_logprob,
+        )  # fmt: skip
+        step.beams.append((seq, parent.request_id))
+    return step
+
+
+def best(
+    completed: list[BeamSearchSequence],
+    live: list[BeamSearchSequence],
+    config: BeamConfig,
+) -> list[BeamSearchSequence]:
+    """The final ``width`` beams, best first."""
+    key = create_sort_beams_key_function(config.eos_token_id, config.length_penalty)
+    return sorted([*completed, *live], key=key, reverse=True)[: config.width]
