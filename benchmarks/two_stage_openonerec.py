@@ -12,6 +12,11 @@ modes against the same server (the prefix cache is reset between modes):
                     (plain vLLM with prefix caching)
   (c) continuation: stage 2 names stage 1 by id (`continuation_of`), stage 1
                     asked for `retain_kv` (vllm-kvreuse)
+  (d) engine_beam:  (c) on a second server started with `--engine-beam-search`:
+                    beam search runs in the engine, beams fork their parent's
+                    KV blocks (vllm-kvreuse)
+  stage1_only:      stage 1 alone, on the second server: the physical limit of
+                    the pipeline
 
 Stage-2 prefill tokens computed are read from the server's /metrics
 (`vllm:prompt_tokens_by_source{source="local_compute"}`) minus what stage 1
@@ -39,7 +44,9 @@ import httpx
 from vllm_kvreuse.testing.server import SERVED_MODEL, Server
 
 SUFFIX = "</think>\n<|sid_begin|>"
-MODES = ("text", "token_ids", "continuation")
+FRONTEND_MODES = ("text", "token_ids", "continuation")
+ENGINE_MODES = ("engine_beam", "stage1_only")
+MODES = FRONTEND_MODES + ENGINE_MODES
 
 
 @dataclass
@@ -134,13 +141,16 @@ async def run_mode(server: Server, mode: str, args) -> ModeResult:
         async def one(i: int) -> None:
             async with semaphore:
                 prompt = user_prompt(i, args.prompt_words)
-                s1 = await stage1(client, prompt, args, retain=mode == "continuation")
+                retain = mode in ("continuation", "engine_beam")
+                s1 = await stage1(client, prompt, args, retain=retain)
                 usage = s1["usage"]
                 cached = (usage.get("prompt_tokens_details") or {}).get(
                     "cached_tokens"
                 ) or 0
                 result.stage1_computed += usage["prompt_tokens"] - cached
                 result.stage1_ttft.append(s1["ttft"])
+                if mode == "stage1_only":
+                    return
                 latency, beams, num_prompt = await stage2(
                     client, mode, prompt, s1, args
                 )
@@ -163,7 +173,7 @@ async def run_mode(server: Server, mode: str, args) -> ModeResult:
 
 
 def stage2_prompt_tokens(results: dict[str, ModeResult], args) -> float:
-    return results["continuation"].stage2_prompt_tokens / args.requests
+    return max(r.stage2_prompt_tokens for r in results.values()) / args.requests
 
 
 def p99(values: list[float]) -> float:
@@ -183,38 +193,84 @@ def report(results: dict[str, ModeResult], args) -> None:
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for r in results.values():
+        has_stage2 = bool(r.stage2_latency)
         row = (
             r.mode,
             f"{statistics.median(r.stage1_ttft) * 1e3:.0f} ms",
             f"{p99(r.stage1_ttft) * 1e3:.0f} ms",
-            f"{statistics.median(r.stage2_latency) * 1e3:.0f} ms",
-            f"{p99(r.stage2_latency) * 1e3:.0f} ms",
-            f"{r.stage2_computed / r.stage2_prompt_tokens:.2f}",
+            f"{statistics.median(r.stage2_latency) * 1e3:.0f} ms"
+            if has_stage2
+            else "-",
+            f"{p99(r.stage2_latency) * 1e3:.0f} ms" if has_stage2 else "-",
+            f"{r.stage2_computed / r.stage2_prompt_tokens:.2f}" if has_stage2 else "-",
             f"{r.preemptions:.0f}",
             f"{r.wall:.1f}",
             f"{args.requests / r.wall:.2f}",
         )
         print("| " + " | ".join(row) + " |")
-    c = results["continuation"]
-    c_latency = statistics.median(c.stage2_latency)
-    for base in ("text", "token_ids"):
-        b = results[base]
-        latency = statistics.median(b.stage2_latency) / c_latency
-        computed = b.stage2_computed / max(c.stage2_computed, 1)
-        print(
-            f"({base}) / (continuation): wall {b.wall / c.wall:.2f}x, "
-            f"stage-2 latency p50 {latency:.2f}x, "
-            f"stage-2 computed tokens {computed:.2f}x"
-        )
-    same = results["token_ids"].beams == c.beams
-    print(f"stage-2 beams identical, (token_ids) vs (continuation): {same}")
-    text_same = results["text"].beams == c.beams
-    print(
-        f"stage-2 beams identical, (text) vs (continuation): {text_same} "
-        "(text re-tokenisation changes the prompt, so a difference is expected)"
+    for ours in ("continuation", "engine_beam"):
+        for base in ("text", "token_ids", "continuation"):
+            if ours in results and base in results and base != ours:
+                print_ratio(results[base], results[ours])
+    if "engine_beam" in results and "stage1_only" in results:
+        ratio = results["engine_beam"].wall / results["stage1_only"].wall
+        print(f"(engine_beam) wall / (stage1_only) wall: {ratio:.2f}")
+    check_beams(results)
+
+
+def print_ratio(base: ModeResult, ours: ModeResult) -> None:
+    latency = statistics.median(base.stage2_latency) / statistics.median(
+        ours.stage2_latency
     )
-    if not same:
-        raise SystemExit("beams differ between token ids and continuation")
+    computed = base.stage2_computed / max(ours.stage2_computed, 1)
+    print(
+        f"({base.mode}) / ({ours.mode}): wall {base.wall / ours.wall:.2f}x, "
+        f"stage-2 latency p50 {latency:.2f}x, stage-2 computed tokens {computed:.2f}x"
+    )
+
+
+def check_beams(results: dict[str, ModeResult]) -> None:
+    """Stage-2 beams must not depend on how stage 2 was sent (token modes)."""
+    token_modes = [
+        m for m in ("token_ids", "continuation", "engine_beam") if m in results
+    ]
+    for mode in token_modes[1:]:
+        same = results[mode].beams == results[token_modes[0]].beams
+        print(f"stage-2 beams identical, ({token_modes[0]}) vs ({mode}): {same}")
+        if not same:
+            raise SystemExit(
+                f"stage-2 beams differ between {token_modes[0]} and {mode}"
+            )
+
+
+def run_on_server(args, server_args: list[str], modes: list[str]) -> dict:
+    """Starts one server, runs ``modes`` on it one after the other."""
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    results = {}
+    with Server(
+        args.model, *server_args, log_path=log, block_size=args.block_size
+    ) as server:
+        args.suffix_ids = tokenize(server, SUFFIX)
+        (args.think_end_id,) = tokenize(server, "</think>")
+        asyncio.run(warm_up(server, modes[0], args))
+        for mode in modes:
+            results[mode] = asyncio.run(run_mode(server, mode, args))
+            print(f"mode {mode}: {results[mode].wall:.1f}s", flush=True)
+    print(f"server log: {log}")
+    return results
+
+
+async def warm_up(server: Server, mode: str, args) -> None:
+    """One two-stage request first, so no mode pays for the server's first calls."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+        prompt = user_prompt(10**6, args.prompt_words)
+        s1 = await stage1(client, prompt, args, retain=True)
+        await stage2(client, "continuation", prompt, s1, args)
+
+
+def tokenize(server: Server, text: str) -> list[int]:
+    body = {"model": SERVED_MODEL, "prompt": text, "add_special_tokens": False}
+    return httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
 
 
 def main() -> None:
@@ -239,29 +295,15 @@ def main() -> None:
     ]  # fmt: skip
     if args.kv_blocks:
         server_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
-    log = Path(tempfile.mkdtemp()) / "server.log"
-    with Server(
-        args.model, *server_args, log_path=log, block_size=args.block_size
-    ) as server:
-        tokens = httpx.post(
-            f"{server.url}/tokenize",
-            json={"model": SERVED_MODEL, "prompt": SUFFIX, "add_special_tokens": False},
-        )
-        args.suffix_ids = tokens.json()["tokens"]
-        think = httpx.post(
-            f"{server.url}/tokenize",
-            json={
-                "model": SERVED_MODEL,
-                "prompt": "</think>",
-                "add_special_tokens": False,
-            },
-        )
-        (args.think_end_id,) = think.json()["tokens"]
-        results = {}
-        for mode in args.modes.split(","):
-            results[mode] = asyncio.run(run_mode(server, mode, args))
-            print(f"mode {mode}: {results[mode].wall:.1f}s", flush=True)
-    print(f"server log: {log}")
+    results: dict[str, ModeResult] = {}
+    modes = args.modes.split(",")
+    for extra, group in (
+        ([], FRONTEND_MODES),
+        (["--engine-beam-search"], ENGINE_MODES),
+    ):
+        wanted = [mode for mode in group if mode in modes]
+        if wanted:
+            results |= run_on_server(args, server_args + extra, wanted)
     report(results, args)
 
 
