@@ -122,3 +122,16 @@ def test_continuation_then_engine_beam_search(servers) -> None:
     # The root inherited stage 1's KV: only the suffix and one token computed.
     cached = child["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == len(full) - len(suffix) - 1
+
+
+def test_client_disconnect_frees_the_whole_group(servers) -> None:
+    """The leak check after this test asserts every beam's blocks came back."""
+    _, engine = servers
+    body = {
+        "model": SERVED_MODEL, "prompt": prompt(8, 300), "max_tokens": 200,
+        "use_beam_search": True, "n": 8, "ignore_eos": True,
+    }  # fmt: skip
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{engine.url}/v1/completions", json=body, timeout=1.0)
+    # The server is still serving.
+    assert beams(engine, prompt(9, 40), width=2)["choices"]

@@ -14,6 +14,9 @@ Block ownership:
 - When a beam's request finishes, the group holds one reference on its
   computed blocks (``_held``) until its children have run, i.e. until the
   step after next is selected; beams that die are released then too.
+- Under memory pressure (a step that preempted, or admitted nothing while
+  requests wait) the oldest group's held blocks are released, so held beams
+  can never deadlock the queue; its members then use the prefix cache.
 - When the group ends, or is aborted, everything it holds is released and
   its live member requests are aborted.
 
@@ -79,6 +82,16 @@ class BeamSearchMixin(ContinuationMixin):
         self._held: dict[str, RetainedParent] = {}
 
     # -- upstream hooks -------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        if self._held and self._under_memory_pressure(output):
+            # Held beams may be what blocks the queue's head: let the oldest
+            # group's go. Its waiting members then fall back to the prefix
+            # cache (correct, slower) instead of waiting forever.
+            group = next(g for g in self._groups.values() if self._holds(g))
+            self._release_held(group.previous + [b.request_id for b in group.beams])
+        return output
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)
@@ -262,6 +275,10 @@ class BeamSearchMixin(ContinuationMixin):
         if live:
             super().finish_requests(live, RequestStatus.FINISHED_ABORTED)
             self._release_held(live)
+
+    def _holds(self, group: BeamGroup) -> bool:
+        ids = group.previous + [beam.request_id for beam in group.beams]
+        return any(request_id in self._held for request_id in ids)
 
     def _release_held(self, request_ids: Iterable[str]) -> None:
         entries = [entry for rid in request_ids if (entry := self._held.pop(rid, None))]

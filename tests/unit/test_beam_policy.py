@@ -1,0 +1,62 @@
+"""The beam-search step rule on hand-made log-prob rows."""
+
+from __future__ import annotations
+
+from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
+
+from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
+
+EOS = 2
+
+
+def beam(tokens: list[int], cum: float, request_id: str) -> Beam:
+    seq = BeamSearchSequence(
+        orig_prompt=None, tokens=tokens, logprobs=[], cum_logprob=cum
+    )
+    return Beam(seq, request_id)
+
+
+def config(width: int = 2, **kwargs) -> BeamConfig:
+    return BeamConfig(width=width, max_tokens=3, eos_token_id=EOS, **kwargs)
+
+
+def test_row_keeps_sampled_first_and_drops_duplicates() -> None:
+    # The sampler puts the sampled token first; it repeats in the top-k.
+    row = logprob_row([7, 7, 9, 4, 5, 6], [-0.1, -0.1, -0.5, -0.9, -1.0, -2.0], width=2)
+    assert list(row.items()) == [(7, -0.1), (9, -0.5), (4, -0.9), (5, -1.0)]
+
+
+def test_best_candidates_across_beams_win() -> None:
+    beams = [beam([1, 10], -1.0, "a"), beam([1, 11], -0.2, "b")]
+    rows = [{20: -0.1, 21: -3.0}, {30: -0.5, 31: -0.6}]
+    step = expand(beams, rows, config(width=2))
+    assert [(seq.tokens[-1], parent) for seq, parent in step.beams] == [
+        (30, "b"),
+        (31, "b"),
+    ]
+    assert step.beams[0][0].cum_logprob == -0.7
+
+
+def test_eos_completes_a_beam_unless_ignored() -> None:
+    beams = [beam([1, 10], 0.0, "a")]
+    step = expand(beams, [{EOS: -0.1, 5: -1.0}], config(width=1))
+    assert [s.tokens for s in step.completed] == [[1, 10]]
+    assert step.completed[0].finish_reason == "stop"
+    assert [s.tokens for s, _ in step.beams] == [[1, 10, 5]]
+    kept = expand(beams, [{EOS: -0.1, 5: -1.0}], config(width=1, ignore_eos=True))
+    assert kept.completed == [] and kept.beams[0][0].tokens == [1, 10, EOS]
+    shown = expand(
+        beams, [{EOS: -0.1}], config(width=1, include_stop_str_in_output=True)
+    )
+    assert shown.completed[0].tokens == [1, 10, EOS]
+
+
+def test_final_ranking_uses_the_length_penalised_score() -> None:
+    short = BeamSearchSequence(
+        orig_prompt=None, tokens=[1, 2], logprobs=[], cum_logprob=-1.0
+    )
+    long = BeamSearchSequence(
+        orig_prompt=None, tokens=[1, 2, 3, 4], logprobs=[], cum_logprob=-1.5
+    )
+    assert best([short], [long], config(width=1, length_penalty=1.0)) == [long]
+    assert best([short], [long], config(width=1, length_penalty=0.0)) == [short]

@@ -1,0 +1,86 @@
+"""Engine-side beam groups inside a real vLLM Scheduler (no engine, no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from tests.unit.conftest import make_request, num_free_blocks
+from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.scheduler import RESULT_KEY
+
+PROMPT = list(range(400, 440))  # 40 tokens: 1 full block + 8
+TOKENS = [10, 10, 11, 12, 13]  # sampled first, then the top 4
+LOGPROBS = [-0.1, -0.1, -0.2, -0.3, -0.4]
+
+
+def root(width: int = 2, max_tokens: int = 2):
+    config = BeamConfig(width=width, max_tokens=max_tokens, eos_token_id=2)
+    request = make_request("root", PROMPT, max_tokens=1, kvreuse_beam=config.to_dict())
+    request.sampling_params.logprobs = 2 * width
+    return request
+
+
+def model_output(output: SchedulerOutput) -> ModelRunnerOutput:
+    req_ids = list(output.num_scheduled_tokens)
+    n = len(req_ids)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=[[TOKENS[0]] for _ in req_ids],
+        logprobs=LogprobsLists(
+            logprob_token_ids=np.array([TOKENS] * n),
+            logprobs=np.array([LOGPROBS] * n),
+            sampled_token_ranks=np.ones(n, dtype=np.int64),
+        ),
+    )
+
+
+def run(scheduler, max_steps: int = 20):
+    """Steps to the end; returns (scheduled tokens per step, frontend outputs)."""
+    scheduled, outputs = [], []
+    for _ in range(max_steps):
+        if not scheduler.has_requests():
+            break
+        output = scheduler.schedule()
+        scheduled.append(
+            (dict(output.num_scheduled_tokens), output.kv_cache_block_copies)
+        )
+        engine_outputs = scheduler.update_from_output(output, model_output(output))
+        outputs += [o for eco in engine_outputs.values() for o in eco.outputs]
+    return scheduled, outputs
+
+
+def test_group_runs_in_the_engine_and_returns_beams(make_scheduler) -> None:
+    scheduler = make_scheduler()
+    free_at_start = num_free_blocks(scheduler)
+    scheduler.add_request(root())
+    scheduled, outputs = run(scheduler)
+    # Step 1: the root's prefill. Step 2: two beams, one token each, each
+    # with its own copy of the root's partial tail block.
+    assert scheduled[0][0] == {"root": 40}
+    assert sorted(scheduled[1][0].values()) == [1, 1]
+    assert len(scheduled[1][1]) == 2
+    (final,) = outputs  # members' outputs never reach the frontend
+    assert final.request_id == "root" and final.finish_reason == FinishReason.STOP
+    beams = final.kv_transfer_params[RESULT_KEY]
+    assert [b["token_ids"] for b in beams] == [[10, 10], [10, 11]]
+    assert abs(beams[0]["cum_logprob"] - (-0.2)) < 1e-9
+    assert final.kv_transfer_params["forks"] == 2
+    assert num_free_blocks(scheduler) == free_at_start
+
+
+def test_abort_of_the_root_frees_the_group(make_scheduler) -> None:
+    scheduler = make_scheduler()
+    free_at_start = num_free_blocks(scheduler)
+    scheduler.add_request(root(max_tokens=5))
+    for _ in range(2):  # root prefill, then the first beams
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, model_output(output))
+    scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler._groups and not scheduler._held
+    run(scheduler)
+    assert num_free_blocks(scheduler) == free_at_start
