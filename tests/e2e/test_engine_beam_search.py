@@ -128,10 +128,10 @@ def test_client_disconnect_frees_the_whole_group(servers) -> None:
     """The leak check after this test asserts every beam's blocks came back."""
     _, engine = servers
     body = {
-        "model": SERVED_MODEL, "prompt": prompt(8, 300), "max_tokens": 200,
+        "model": SERVED_MODEL, "prompt": prompt(8, 300), "max_tokens": 700,
         "use_beam_search": True, "n": 8, "ignore_eos": True,
     }  # fmt: skip
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{engine.url}/v1/completions", json=body, timeout=1.0)
+        httpx.post(f"{engine.url}/v1/completions", json=body, timeout=0.5)
     # The server is still serving.
     assert beams(engine, prompt(9, 40), width=2)["choices"]
