@@ -135,3 +135,21 @@ def test_client_disconnect_frees_the_whole_group(servers) -> None:
         httpx.post(f"{engine.url}/v1/completions", json=body, timeout=0.5)
     # The server is still serving.
     assert beams(engine, prompt(9, 40), width=2)["choices"]
+
+
+def test_chat_beam_search_matches_front_end(servers) -> None:
+    reference, engine = servers
+    messages = [{"role": "user", "content": "item42 " * 30}]
+    body = {
+        "model": SERVED_MODEL, "messages": messages,
+        "max_tokens": 3, "use_beam_search": True, "n": 4,
+    }  # fmt: skip
+
+    def contents(server: Server) -> list[str]:
+        response = httpx.post(
+            f"{server.url}/v1/chat/completions", json=body, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        return [c["message"]["content"] for c in response.json()["choices"]]
+
+    assert contents(engine) == contents(reference)
