@@ -25,21 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         GROUP_TITLE, "KV-cache reuse features added by the vllm-kvreuse plugin."
     )
     for option in OPTIONS:
-        if isinstance(option.default, bool):
-            group.add_argument(
-                option.flag,
-                dest=option.name,
-                action=argparse.BooleanOptionalAction,
-                default=option.default,
-                help=option.help,
-            )
-            continue
+        how: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction}
+            if isinstance(option.default, bool)
+            else {"type": option.cli_type}
+        )
         group.add_argument(
             option.flag,
             dest=option.name,
-            type=option.cli_type,
             default=option.default,
             help=option.help,
+            **how,
         )
 
 

@@ -121,6 +121,8 @@ class BeamSearchMixin(ContinuationMixin):
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
     ) -> list[Request]:
         """Aborting a root aborts its whole group, whatever step it is at."""
+        if request_ids is not None and not isinstance(request_ids, str):
+            request_ids = list(request_ids)  # read twice below
         if request_ids is not None and self._groups:
             ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
             for root_id in ids & self._groups.keys():
