@@ -354,6 +354,23 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM runs beam search in the engine.",
     ),
     Patch(
+        target="vllm.entrypoints.llm:LLM.beam_search",
+        wrapper="vllm_kvreuse.beam.frontend:wrap_llm_beam_search",
+        kind="function",
+        signature="(self, prompts: list[vllm.inputs.llm.TokensPrompt | "
+        "vllm.inputs.llm.TextPrompt], params: vllm.sampling_params."
+        "BeamSearchParams, lora_request: list[vllm.lora.request.LoRARequest] | "
+        "vllm.lora.request.LoRARequest | None = None, use_tqdm: bool = False, "
+        "concurrency_limit: int | None = None) -> list[vllm.entrypoints.generate."
+        "beam_search.utils.BeamSearchOutput]",
+        why="Offline beam search runs the same per-beam-per-step loop as the "
+        "server's, in the LLM process.",
+        how="With --engine-beam-search (engine_beam_search=True) on, sends one "
+        "root request per prompt through LLM.generate and converts the engine's "
+        "beams into BeamSearchOutput; otherwise calls the original.",
+        remove_when="vLLM runs beam search in the engine.",
+    ),
+    Patch(
         target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
         wrapper="vllm_kvreuse.frontend:wrap_new_completion_output",
         kind="function",

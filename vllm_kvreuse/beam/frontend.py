@@ -14,7 +14,15 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from vllm import CompletionOutput, RequestOutput
+from vllm.config import CacheConfig
+from vllm.entrypoints.generate.beam_search.utils import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+)
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
 from vllm.sampling_params import BeamSearchParams, SamplingParams
+from vllm.utils.math_utils import cdiv
 
 from vllm_kvreuse.beam.policy import CONFIG_KEY, BeamConfig
 from vllm_kvreuse.beam.scheduler import RESULT_KEY
@@ -22,17 +30,48 @@ from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.metrics import count_beam_group
 
 
+def check_fits_pool(
+    prompt_len: int, params: BeamSearchParams, cache_config: CacheConfig
+) -> None:
+    """Refuses a beam search that cannot fit the KV pool even with full sharing.
+
+    The least a step needs: one beam's whole sequence, plus one private
+    block for each other beam (its copy-on-write tail).
+    """
+    num_blocks = cache_config.num_gpu_blocks
+    if not num_blocks:
+        return
+    usable = num_blocks - 1  # vLLM's block pool keeps one null block
+    needed = (
+        cdiv(prompt_len + params.max_tokens, cache_config.block_size)
+        + params.beam_width
+        - 1
+    )
+    if needed > usable:
+        raise VLLMValidationError(
+            f"beam search with width {params.beam_width} on a {prompt_len}-token "
+            f"prompt needs at least {needed} KV blocks; the KV cache has {usable}",
+            parameter="n",
+            value=params.beam_width,
+        )
+
+
 def root_sampling_params(
-    params: BeamSearchParams, eos_token_id: int | None
+    params: BeamSearchParams, eos_token_id: int | None, *, keep_eos: bool = False
 ) -> SamplingParams:
-    """The root request's params: one step of the front end's own per-beam params."""
+    """The root request's params: one step of the front end's own per-beam params.
+
+    ``keep_eos``: a beam ended by EOS keeps the EOS token (offline
+    ``LLM.beam_search`` does; the OpenAI server follows
+    ``include_stop_str_in_output``).
+    """
     config = BeamConfig(
         width=params.beam_width,
         max_tokens=params.max_tokens,
         eos_token_id=eos_token_id,
         length_penalty=params.length_penalty,
         ignore_eos=params.ignore_eos,
-        include_stop_str_in_output=params.include_stop_str_in_output,
+        include_stop_str_in_output=keep_eos or params.include_stop_str_in_output,
     )
     return SamplingParams(
         logprobs=2 * params.beam_width,
@@ -103,6 +142,9 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
             ):
                 yield output
             return
+        check_fits_pool(
+            len(prompt["prompt_token_ids"]), params, engine.vllm_config.cache_config
+        )
         tokenizer = self.renderer.get_tokenizer()
         sampling = root_sampling_params(params, tokenizer.eos_token_id)
         outputs = [
@@ -113,5 +155,104 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         ]
         final = outputs[-1]
         yield beam_output(final, prompt, params, tokenizer)
+
+    return beam_search
+
+
+def offline_beam_output(
+    final: RequestOutput, prompt: Any, params: BeamSearchParams, tokenizer: Any
+) -> BeamSearchOutput:
+    """``LLM.beam_search``'s output for one prompt from the engine's beams.
+
+    Sequences hold prompt + generated tokens, as upstream's; per-token
+    log-probs are not returned (``logprobs`` is empty). A request the engine
+    turned back (cache threshold, abort) gives one sequence: the prompt, with
+    the engine's finish reason.
+    """
+    prompt_ids = list(final.prompt_token_ids or [])
+    beams = (final.kv_transfer_params or {}).get(RESULT_KEY)
+    if beams is None:
+        engine_out = final.outputs[0]
+        return BeamSearchOutput(
+            sequences=[
+                BeamSearchSequence(
+                    orig_prompt=prompt,
+                    tokens=prompt_ids,
+                    logprobs=[],
+                    finish_reason=engine_out.finish_reason,
+                    stop_reason=engine_out.stop_reason,
+                )
+            ]
+        )
+    result = final.kv_transfer_params or {}
+    count_beam_group(result["forks"], result["copied_blocks"])
+    sequences = []
+    for beam in beams:
+        tokens = prompt_ids + beam["token_ids"]
+        sequences.append(
+            BeamSearchSequence(
+                orig_prompt=prompt,
+                tokens=tokens,
+                logprobs=[],
+                cum_logprob=beam["cum_logprob"],
+                text=tokenizer.decode(
+                    tokens, skip_special_tokens=params.skip_special_tokens
+                ),
+                finish_reason=beam["finish_reason"],
+                stop_reason=beam["stop_reason"],
+            )
+        )
+    return BeamSearchOutput(sequences=sequences)
+
+
+def _tokens_prompt(engine_input: Any) -> TokensPrompt:
+    prompt = TokensPrompt(prompt_token_ids=engine_input["prompt_token_ids"])
+    if salt := engine_input.get("cache_salt"):
+        prompt["cache_salt"] = salt
+    return prompt
+
+
+def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
+    def beam_search(
+        self: Any,
+        prompts: list[Any],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        vllm_config = self.llm_engine.vllm_config
+        inputs = self._preprocess_cmpl(prompts)
+        if not KVReuseConfig.from_vllm_config(vllm_config).engine_beam_search or any(
+            engine_input["type"] != "token" for engine_input in inputs
+        ):
+            return original(
+                self, prompts, params, lora_request, use_tqdm, concurrency_limit
+            )
+        for engine_input in inputs:
+            check_fits_pool(
+                len(engine_input["prompt_token_ids"]), params, vllm_config.cache_config
+            )
+        tokenizer = self.renderer.get_tokenizer()
+        sampling = root_sampling_params(params, tokenizer.eos_token_id, keep_eos=True)
+        token_prompts = [_tokens_prompt(engine_input) for engine_input in inputs]
+        batch = concurrency_limit or len(token_prompts) or 1
+        results: list[BeamSearchOutput] = []
+        for start in range(0, len(token_prompts), batch):
+            finals = self.generate(
+                token_prompts[start : start + batch],
+                sampling,
+                lora_request=lora_request[start : start + batch]
+                if isinstance(lora_request, list)
+                else lora_request,
+                use_tqdm=use_tqdm,
+            )
+            results += [
+                offline_beam_output(final, engine_input, params, tokenizer)
+                for final, engine_input in zip(
+                    finals, inputs[start : start + batch], strict=True
+                )
+            ]
+        return results
 
     return beam_search

@@ -1,0 +1,74 @@
+"""Offline ``LLM.beam_search`` with engine-side beam search, against vLLM's own
+front-end loop run on the same engine (the patched method's ``__wrapped__``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from vllm import LLM
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import BeamSearchParams
+
+from tests.integration.conftest import make_llm, scheduler_of
+
+pytestmark = pytest.mark.usefixtures("no_leak")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> Iterator[LLM]:
+    """A 20-block pool: four 4-beam groups at once must share it under pressure."""
+    engine = make_llm(
+        model_dir, max_model_len=256, num_gpu_blocks_override=20, max_logprobs=32,
+        engine_beam_search=True,
+    )  # fmt: skip
+    yield engine
+    del engine
+
+
+def prompts(count: int, first_seed: int = 0) -> list[dict]:
+    return [
+        {
+            "prompt_token_ids": [
+                (s * 131 + i * 17) % 3500 + 50 for i in range(30 + 9 * s)
+            ]
+        }
+        for s in range(first_seed, first_seed + count)
+    ]
+
+
+def summary(outputs) -> list[list[tuple[list[int], float]]]:
+    return [[(seq.tokens, seq.cum_logprob) for seq in out.sequences] for out in outputs]
+
+
+def test_same_beams_as_vllm_offline_loop(llm: LLM) -> None:
+    params = BeamSearchParams(beam_width=4, max_tokens=3)
+    batch = prompts(6)
+    expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
+    got = summary(llm.beam_search(batch, params, concurrency_limit=4))
+    assert len(got) == len(expected) == 6
+    for want, have in zip(expected, got, strict=True):
+        assert [tokens for tokens, _ in have] == [tokens for tokens, _ in want]
+        for (_, a), (_, b) in zip(have, want, strict=True):
+            assert a == pytest.approx(b, abs=1e-3)
+    assert not scheduler_of(llm)._groups, "beam groups outlived their search"
+
+
+def test_sequences_hold_prompt_text_and_finish_reason(llm: LLM) -> None:
+    (batch,) = [prompts(1, first_seed=7)]
+    (out,) = llm.beam_search(batch, BeamSearchParams(beam_width=2, max_tokens=2))
+    prompt_ids = batch[0]["prompt_token_ids"]
+    assert len(out.sequences) == 2
+    for seq in out.sequences:
+        assert seq.tokens[: len(prompt_ids)] == prompt_ids
+        assert len(seq.tokens) == len(prompt_ids) + 2
+        assert seq.text and seq.finish_reason == "length"
+
+
+def test_width_too_large_for_the_pool_is_refused(llm: LLM) -> None:
+    """200 tokens and 16 beams need at least 7 + 15 blocks; the pool has 19."""
+    params = BeamSearchParams(beam_width=16, max_tokens=3)
+    with pytest.raises(VLLMValidationError, match="needs at least 22 KV blocks"):
+        llm.beam_search([{"prompt_token_ids": list(range(100, 300))}], params)
+    (ok,) = llm.beam_search(prompts(1), BeamSearchParams(beam_width=2, max_tokens=1))
+    assert len(ok.sequences) == 2
