@@ -56,6 +56,36 @@ def parse_bool(value: Any, name: str) -> bool:
     raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
+def parse_gib(value: Any, name: str) -> float:
+    """Returns ``value`` as a finite, non-negative number of GiB."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a non-negative number of GiB, got {value!r}")
+    return number
+
+
+def parse_separator(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value or value.isspace():
+        raise ValueError(f"{name} must be a non-blank string, got {value!r}")
+    return value
+
+
+def choice_parser(*choices: str) -> Callable[[Any, str], str]:
+    def parse(value: Any, name: str) -> str:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        return value
+
+    return parse
+
+
+CHUNK_HASHES = ("", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+CHUNK_ATTENTION_MODES = ("isolated", "system")
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     """One setting: its name in additional_config, CLI flag, parser and help."""
@@ -122,6 +152,51 @@ OPTIONS: tuple[Option, ...] = (
         "running before it is answered 404.",
     ),
 )
+OPTIONS += (
+    Option(
+        "enable_chunk_cache",
+        parse_bool,
+        False,
+        "Position-independent chunk cache for RAG prompts 'sys##doc1##doc2##"
+        "question' (or a 'chunks' field of token-id segments): each chunk's KV "
+        "is computed alone at positions from 0, cached by content, and reused "
+        "at any position by re-rotating its keys. Uses the KV-connector slot.",
+    ),
+    Option(
+        "chunk_separator",
+        parse_separator,
+        "##",
+        "Text that separates a chunked prompt's segments (not model input).",
+    ),
+    Option(
+        "chunk_cache_device_fraction",
+        parse_fraction,
+        0.1,
+        "Chunk-store capacity on the KV cache's device, as a fraction of the "
+        "KV cache's size (memory on top of it).",
+    ),
+    Option(
+        "chunk_cache_cpu_gib",
+        parse_gib,
+        0.0,
+        "Chunk-store capacity in host memory (GiB) for chunks evicted from the "
+        "device tier; 0 turns the CPU tier off.",
+    ),
+    Option(
+        "chunk_cache_hash",
+        choice_parser(*CHUNK_HASHES),
+        "",
+        "Hash of chunk content keys; empty (default) uses vLLM's "
+        "--prefix-caching-hash-algo (sha256 unless set).",
+    ),
+    Option(
+        "chunk_attention",
+        choice_parser(*CHUNK_ATTENTION_MODES),
+        "isolated",
+        "'isolated': a chunk attends to itself only; 'system': chunks also see "
+        "the system prompt (the first segment), whose hash joins their key.",
+    ),
+)
 OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 
 
@@ -134,6 +209,12 @@ class KVReuseConfig:
     retain_kv_max_fraction: float = 0.25
     continuation_wait_timeout: float = 60.0
     engine_beam_search: bool = False
+    enable_chunk_cache: bool = False
+    chunk_separator: str = "##"
+    chunk_cache_device_fraction: float = 0.1
+    chunk_cache_cpu_gib: float = 0.0
+    chunk_cache_hash: str = ""
+    chunk_attention: str = "isolated"
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVReuseConfig:

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kvreuse.config import OPTIONS, OPTIONS_BY_NAME, merge_settings
+from vllm_kvreuse.config import OPTIONS, OPTIONS_BY_NAME, KVReuseConfig, merge_settings
 
 GROUP_TITLE = "vllm-kvreuse"
 
@@ -39,6 +39,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+CHUNK_CONNECTOR = "KVReuseChunkConnector"
+CHUNK_CONNECTOR_MODULE = "vllm_kvreuse.chunk_cache.connector"
+
+
+def attach_chunk_connector(engine_args: Any) -> None:
+    """Points ``kv_transfer_config`` at the chunk-cache connector when enabled.
+
+    The chunk cache moves KV through vLLM's KV-connector interface; vLLM has
+    one connector slot, so a user's own connector and the chunk cache
+    exclude each other (a clear start-up error, not a silent override).
+    """
+    from vllm.config import KVTransferConfig
+
+    if not KVReuseConfig.from_vllm_config(engine_args).enable_chunk_cache:
+        return
+    current = engine_args.kv_transfer_config
+    if current is not None and current.kv_connector != CHUNK_CONNECTOR:
+        raise ValueError(
+            "--enable-chunk-cache uses vLLM's KV connector, and "
+            f"--kv-transfer-config already names {current.kv_connector!r}"
+        )
+    engine_args.kv_transfer_config = KVTransferConfig(
+        kv_connector=CHUNK_CONNECTOR,
+        kv_connector_module_path=CHUNK_CONNECTOR_MODULE,
+        kv_role="kv_both",
+    )
+
+
 def wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_cli_args(parser: Any) -> Any:
         parser = original(parser)
@@ -62,6 +90,7 @@ def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
             engine_args.additional_config = merge_settings(
                 engine_args.additional_config, settings
             )
+        attach_chunk_connector(engine_args)
         return engine_args
 
     return from_cli_args
@@ -77,5 +106,6 @@ def wrap_engine_args_init(original: Callable[..., Any]) -> Callable[..., Any]:
                 kwargs.get("additional_config"), settings
             )
         original(self, *args, **kwargs)
+        attach_chunk_connector(self)
 
     return __init__

@@ -1,0 +1,1 @@
+"""Position-independent chunk cache (issue 5)."""

@@ -1,0 +1,198 @@
+"""Scheduler mixin: plans chunked requests and runs the fills of missing chunks.
+
+A chunked request arrives with ``extra_args["kvreuse_chunks"]``, the token
+lengths of its chunks (every segment but the question, which is the rest of
+the prompt). On arrival the mixin:
+
+1. keys each chunk (:mod:`vllm_kvreuse.chunk_cache.keys`), pins the chunks
+   already stored or being filled, and reserves room for the others;
+2. adds one *fill* per missing chunk, deduplicated across requests: an
+   ordinary one-token request whose prompt is the chunk alone (after the
+   system prompt in "system" mode), so its KV is chunk-isolated at virtual
+   positions without any attention mask; its KV is saved to the store in the
+   step that finishes its prefill, and its output never reaches a client;
+3. re-hashes the request's blocks under a salt of its own
+   (:func:`~vllm_kvreuse.chunk_cache.keys.chunked_salt`), so blocks holding
+   chunk KV never match an ordinary request;
+4. hands the plan to the connector, which makes vLLM load every chunk into
+   the request's blocks (re-rotated) and prefill only the question.
+
+If room cannot be reserved (a chunk larger than the store, or a store full
+of pinned chunks), the request runs as an ordinary request instead: never
+an error to the client.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+from vllm_kvreuse.admission.policy import REQUEST_FIELD as THRESHOLD_KEY
+from vllm_kvreuse.chunk_cache.connector import (
+    ChunkPlan,
+    Fill,
+    KVReuseChunkConnector,
+    PlannedChunk,
+)
+from vllm_kvreuse.chunk_cache.keys import (
+    chunk_key,
+    chunked_salt,
+    key_hasher,
+    model_identity,
+)
+from vllm_kvreuse.chunk_cache.params import chunk_lengths
+from vllm_kvreuse.config import KVReuseConfig
+
+logger = init_logger(__name__)
+
+
+class ChunkCacheMixin(Scheduler):
+    """Turns chunked requests into chunk loads plus fills of missing chunks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = KVReuseConfig.from_vllm_config(self.vllm_config)
+        self._chunks = (
+            self.connector
+            if isinstance(self.connector, KVReuseChunkConnector)
+            else None
+        )
+        self._chunk_mode = settings.chunk_attention
+        self._chunk_hasher = key_hasher(self.vllm_config, settings.chunk_cache_hash)
+        self._chunk_identity = model_identity(self.vllm_config, self._chunk_mode)
+        self._fill_ids: set[str] = set()
+        self._fill_counter = itertools.count()
+        self.num_degraded_chunked_requests = 0
+
+    # -- upstream hooks -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        lengths = chunk_lengths(request)
+        if (
+            self._chunks is None
+            or lengths is None
+            or request.request_id in self.requests
+        ):
+            super().add_request(request)
+            return
+        planned = self._plan(request, lengths)
+        if planned is None:
+            self.num_degraded_chunked_requests += 1
+            logger.info(
+                "chunk cache full or chunk too large: request %s runs as an "
+                "ordinary request",
+                request.request_id,
+            )
+            super().add_request(request)
+            return
+        plan, fills = planned
+        for fill in fills:
+            self._chunks.add_fill(fill)
+            self._fill_ids.add(fill.request.request_id)
+            super().add_request(fill.request)
+        request.cache_salt = chunked_salt(request.cache_salt, self._chunk_mode, lengths)
+        request.block_hashes = []
+        request.update_block_hashes()
+        self._chunks.add_plan(request.request_id, plan)
+        super().add_request(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if not self._fill_ids:
+            return outputs
+        for engine_outputs in outputs.values():
+            kept = []
+            for out in engine_outputs.outputs:
+                if out.request_id not in self._fill_ids:
+                    kept.append(out)
+                elif out.finish_reason is not None:
+                    self._fill_ids.discard(out.request_id)
+            engine_outputs.outputs = kept
+        return outputs
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        if self._chunks is not None and request.request_id in self._chunks.fills:
+            self._chunks.fill_finished(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
+
+    def num_cache_hit_tokens(self, request: Request) -> int | None:
+        """Local prefix hits plus the stored chunks past them (threshold check)."""
+        plan = self._chunks.plans.get(request.request_id) if self._chunks else None
+        if plan is None:
+            return super().num_cache_hit_tokens(request)  # type: ignore[misc]
+        _, num_local, *_ = self._get_local_prefix_cache_hit(request)
+        stored = sum(
+            chunk.length - max(0, min(chunk.length, num_local - chunk.start))
+            for chunk in plan.chunks
+            if (entry := self._chunks.index.get(chunk.key)) is not None and entry.ready
+        )
+        return min(num_local + stored, request.num_tokens)
+
+    # -- planning --------------------------------------------------------------
+
+    def _plan(
+        self, request: Request, lengths: list[int]
+    ) -> tuple[ChunkPlan, list[Fill]] | None:
+        """Keys, pins and reservations for ``request``; None if it cannot fit."""
+        assert self._chunks is not None
+        index = self._chunks.index
+        prompt = request.prompt_token_ids or []
+        salt = "|".join(
+            (request.cache_salt or "", getattr(request.lora_request, "lora_name", ""))
+        )
+        system = prompt[: lengths[0]] if self._chunk_mode == "system" else []
+        chunks: list[PlannedChunk] = []
+        fills: list[Fill] = []
+        start = 0
+        for number, length in enumerate(lengths):
+            tokens = prompt[start : start + length]
+            context = system if number else []
+            key = chunk_key(
+                self._chunk_hasher, self._chunk_identity, salt, context, tokens
+            )
+            chunks.append(PlannedChunk(key, start, length, virtual_start=len(context)))
+            start += length
+            if index.get(key) is not None:
+                index.pin(key)
+                if index.get(key).ready:  # type: ignore[union-attr]
+                    index.stats.hits += 1
+                    index.stats.hit_tokens += length
+                continue
+            if not index.reserve(key, length):
+                for chunk in chunks[:-1]:
+                    index.unpin(chunk.key)
+                for fill in fills:
+                    index.drop(fill.key)
+                return None
+            index.stats.misses += 1
+            index.stats.miss_tokens += length
+            fills.append(self._fill(request, key, [*context, *tokens], len(context)))
+        return ChunkPlan(chunks), fills
+
+    def _fill(
+        self, request: Request, key: bytes, prompt: list[int], start: int
+    ) -> Fill:
+        fill = Request(
+            request_id=f"kvreuse-fill-{next(self._fill_counter)}-{key.hex()[:12]}",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(
+                max_tokens=1, temperature=0.0, extra_args={THRESHOLD_KEY: 0.0}
+            ),
+            pooling_params=None,
+            client_index=request.client_index,
+            lora_request=request.lora_request,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            block_hasher=request._block_hasher,
+        )
+        return Fill(key=key, request=fill, start=start, length=len(prompt) - start)
