@@ -24,10 +24,10 @@ from vllm_kvreuse.continuation.scheduler import ContinuationMixin
 logger = init_logger(__name__)
 
 # Order: ChunkCacheMixin comes first so that its num_cache_hit_tokens (stored
-# chunks count as hits) answers the threshold check; the threshold check asks _get_local_prefix_cache_hit, which
-# ContinuationMixin answers for children; BeamSearchMixin builds on
-# ContinuationMixin (it holds beams' blocks) and filters member outputs before
-# the threshold mixin appends its rejections.
+# chunks count as hits) answers the threshold check; the threshold check asks
+# _get_local_prefix_cache_hit, which ContinuationMixin answers for children;
+# BeamSearchMixin builds on ContinuationMixin (it holds beams' blocks) and
+# filters member outputs before the threshold mixin appends its rejections.
 SCHEDULER_MIXINS: tuple[type[Scheduler], ...] = (
     ChunkCacheMixin,
     CacheHitThresholdMixin,

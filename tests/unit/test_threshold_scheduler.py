@@ -42,8 +42,9 @@ def test_scheduler_class_is_composed(make_scheduler) -> None:
     """vLLM's own choice (Scheduler here) gets the feature mixins in front."""
     scheduler = make_scheduler()
     names = [cls.__name__ for cls in type(scheduler).__mro__]
-    assert names[:5] == [
+    assert names[:6] == [
         "KVReuseScheduler",
+        "ChunkCacheMixin",
         "CacheHitThresholdMixin",
         "BeamSearchMixin",
         "ContinuationMixin",

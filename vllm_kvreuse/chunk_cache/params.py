@@ -26,8 +26,14 @@ def validate_lengths(lengths: Any, num_prompt_tokens: int) -> list[int]:
     return list(lengths)
 
 
-def chunk_lengths(request: Any) -> list[int] | None:
-    """The chunk lengths a request carries, or None for an ordinary request."""
+def chunk_lengths(request: Any, num_prompt_tokens: int) -> list[int] | None:
+    """The chunk lengths a request carries; None for an ordinary request, or
+    for lengths that do not fit its prompt (which then runs unchunked)."""
     params = request.sampling_params
     extra_args = (params.extra_args if params is not None else None) or {}
-    return extra_args.get(CHUNKS)
+    if extra_args.get(CHUNKS) is None:
+        return None
+    try:
+        return validate_lengths(extra_args[CHUNKS], num_prompt_tokens)
+    except ValueError:
+        return None

@@ -71,11 +71,15 @@ class ChunkCacheMixin(Scheduler):
         self._fill_ids: set[str] = set()
         self._fill_counter = itertools.count()
         self.num_degraded_chunked_requests = 0
+        # Tokens of each new chunked request not stored when it arrived: its
+        # usage and prefill stats must not count them as cached, although
+        # they are loaded like stored ones.
+        self._uncached: dict[str, int] = {}
 
     # -- upstream hooks -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        lengths = chunk_lengths(request)
+        lengths = chunk_lengths(request, request.num_prompt_tokens)
         if (
             self._chunks is None
             or lengths is None
@@ -95,14 +99,37 @@ class ChunkCacheMixin(Scheduler):
             return
         plan, fills = planned
         for fill in fills:
-            self._chunks.add_fill(fill)
-            self._fill_ids.add(fill.request.request_id)
-            super().add_request(fill.request)
+            self._add_fill(fill)
         request.cache_salt = chunked_salt(request.cache_salt, self._chunk_mode, lengths)
         request.block_hashes = []
         request.update_block_hashes()
         self._chunks.add_plan(request.request_id, plan)
+        uncached = sum(
+            chunk.length
+            for chunk in plan.chunks
+            if not self._chunks.index.get(chunk.key).ready  # type: ignore[union-attr]
+        )
+        if uncached:
+            self._uncached[request.request_id] = uncached
         super().add_request(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        for request_id in list(self._uncached):
+            request = self.requests.get(request_id)
+            stats = request.prefill_stats if request is not None else None
+            if request is None or stats is None:
+                self._uncached.pop(request_id)
+            elif stats.num_prompt_tokens:  # upstream set them at first schedule
+                uncached = self._uncached.pop(request_id)
+                stats.set(
+                    num_prompt_tokens=stats.num_prompt_tokens,
+                    num_local_cached_tokens=stats.num_local_cached_tokens,
+                    num_external_cached_tokens=max(
+                        0, stats.num_external_cached_tokens - uncached
+                    ),
+                )
+        return output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -119,6 +146,33 @@ class ChunkCacheMixin(Scheduler):
                     self._fill_ids.discard(out.request_id)
             engine_outputs.outputs = kept
         return outputs
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        """A preempted chunked request loads its chunks again when resumed:
+        pin them again, and re-fill any evicted since its first load."""
+        super()._preempt_request(request, *args, **kwargs)
+        plan = self._chunks.plans.get(request.request_id) if self._chunks else None
+        if plan is None or plan.pinned:
+            return
+        assert self._chunks is not None
+        plan.pinned = True
+        prompt = request.prompt_token_ids or []
+        for chunk in plan.chunks:
+            if self._chunks.index.get(chunk.key) is not None:
+                self._chunks.index.pin(chunk.key)
+                continue
+            context = prompt[: chunk.virtual_start]
+            tokens = prompt[chunk.start : chunk.start + chunk.length]
+            if self._chunks.index.reserve(chunk.key, chunk.length):
+                self._add_fill(
+                    self._fill(request, chunk.key, [*context, *tokens], len(context))
+                )
+
+    def _add_fill(self, fill: Fill) -> None:
+        assert self._chunks is not None
+        self._chunks.add_fill(fill)
+        self._fill_ids.add(fill.request.request_id)
+        super().add_request(fill.request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         if self._chunks is not None and request.request_id in self._chunks.fills:

@@ -22,6 +22,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import SamplingParams
 
+from vllm_kvreuse.chunk_cache import frontend as chunk_frontend
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import params
 from vllm_kvreuse.continuation.registry import (
@@ -254,6 +255,8 @@ def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[...
         given = request.prompt not in (None, "", [])
         result = await render_continuation(self, request, prompt_given=given)
         if result is None:
+            result = await chunk_frontend.render_chunked(self, request)
+        if result is None:
             return await original(self, request)
         return result
 
@@ -283,8 +286,11 @@ def continuable_completion_request(original: type) -> type:
         @model_validator(mode="before")
         @classmethod
         def validate_prompt_and_prompt_embeds(cls, data: Any) -> Any:
-            if isinstance(data, dict) and data.get(CONTINUATION_OF) is not None:
-                return data  # resolve_http checks the prompt is absent
+            if isinstance(data, dict) and (
+                data.get(CONTINUATION_OF) is not None
+                or data.get(chunk_frontend.BODY_FIELD) is not None
+            ):
+                return data  # resolve_http / render_chunked check the prompt
             return original.validate_prompt_and_prompt_embeds(data)
 
     return CompletionRequest

@@ -1,0 +1,146 @@
+"""RAG prompts on plain vLLM and on the chunk cache, side by side in one run.
+
+Two `vllm serve` processes of the same model: plain vLLM (prefix caching on,
+the prompt sent as one text without separators) and `--enable-chunk-cache`
+(the same text with `##` between system prompt, documents and question).
+Documents come from a pool, in shuffled order, after one of several system
+prompts, with varying questions, sent by several concurrent clients.
+
+Phases, each timed to the first token (max_tokens 1, non-streaming):
+- cold: every document is new to both servers;
+- warm: every document was seen before, in other orders/positions;
+- mixed: half the documents seen, half new.
+
+Prints TTFT median and p99 per phase and server, the ratio plain / chunk
+cache, and the chunk server's hit rate (cached prompt tokens / prompt tokens,
+from the responses' usage).
+
+    .venv/bin/python benchmarks/rag_chunk_cache.py [--model DIR] [--doc-words N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from vllm_kvreuse.testing.server import SERVED_MODEL, Server
+
+SYSTEMS = [f"System {n}: answer briefly from the documents. " * 4 for n in range(3)]
+
+
+def document(number: int, words: int) -> str:
+    rng = random.Random(number)
+    return f"Document {number}. " + " ".join(
+        f"w{rng.randrange(3000)}" for _ in range(words)
+    )
+
+
+def question(number: int) -> str:
+    return f"Question {number}: what does the document say about w{number}?"
+
+
+def ask(client: httpx.Client, prompt: str) -> tuple[float, int, int]:
+    """(seconds to the first token, prompt tokens, cached prompt tokens)."""
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1}
+    start = time.perf_counter()
+    response = client.post("/v1/completions", json=body)
+    elapsed = time.perf_counter() - start
+    response.raise_for_status()
+    usage = response.json()["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    return elapsed, usage["prompt_tokens"], details.get("cached_tokens") or 0
+
+
+def run_phase(url: str, prompts: list[str], concurrency: int):
+    with (
+        httpx.Client(base_url=url, timeout=600) as client,
+        ThreadPoolExecutor(concurrency) as pool,
+    ):
+        return list(pool.map(lambda p: ask(client, p), prompts))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny")
+    parser.add_argument("--docs-per-prompt", type=int, default=4)
+    parser.add_argument("--doc-words", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    args = parser.parse_args()
+
+    rng = random.Random(0)
+    k = args.docs_per_prompt
+    pool = [document(n, args.doc_words) for n in range(2 * args.requests * k + k)]
+    fresh = iter(range(len(pool)))
+    seen: list[int] = []
+
+    def prompt_set(new_per_prompt: int) -> list[tuple[str, list[str]]]:
+        out = []
+        for i in range(args.requests):
+            docs = [next(fresh) for _ in range(new_per_prompt)]
+            docs += rng.sample(seen, k - new_per_prompt) if k > new_per_prompt else []
+            rng.shuffle(docs)
+            seen.extend(docs[:new_per_prompt])
+            segments = [rng.choice(SYSTEMS), *(pool[d] for d in docs), question(i)]
+            out.append(segments)
+        return out
+
+    phases = {"cold": prompt_set(k)}
+    phases["warm"] = prompt_set(0)
+    phases["mixed"] = prompt_set(k // 2)
+
+    logs = Path(tempfile.mkdtemp())
+    common = ["--max-model-len", str(args.max_model_len)]
+    common += ["--max-num-batched-tokens", str(args.max_model_len)]
+    with (
+        Server(args.model, *common, log_path=logs / "plain.log") as plain,
+        Server(
+            args.model, *common, "--enable-chunk-cache", log_path=logs / "chunk.log"
+        ) as chunked,
+    ):
+        for server in (plain, chunked):  # warm-up, not in any phase
+            run_phase(server.url, ["warm up##the server##now?"], 1)
+        print(
+            f"model {args.model}, {k} documents of ~{args.doc_words} words, "
+            f"{args.requests} requests per phase, concurrency {args.concurrency}"
+        )
+        print(
+            "| phase | plain TTFT p50 | plain p99 | chunk TTFT p50 | chunk p99 "
+            "| p50 ratio | chunk hit rate |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for name, segment_lists in phases.items():
+            plain_results = run_phase(
+                plain.url, ["".join(s) for s in segment_lists], args.concurrency
+            )
+            chunk_results = run_phase(
+                chunked.url, ["##".join(s) for s in segment_lists], args.concurrency
+            )
+            p_times = [r[0] for r in plain_results]
+            c_times = [r[0] for r in chunk_results]
+            hit = sum(r[2] for r in chunk_results) / sum(r[1] for r in chunk_results)
+            print(
+                f"| {name} | {statistics.median(p_times) * 1e3:.0f} ms "
+                f"| {percentile(p_times, 0.99) * 1e3:.0f} ms "
+                f"| {statistics.median(c_times) * 1e3:.0f} ms "
+                f"| {percentile(c_times, 0.99) * 1e3:.0f} ms "
+                f"| {statistics.median(p_times) / statistics.median(c_times):.2f}x "
+                f"| {hit:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

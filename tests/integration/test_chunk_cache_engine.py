@@ -1,0 +1,155 @@
+"""The chunk cache through a real vLLM engine (offline LLM API), checked
+against Hugging Face transformers run with an explicit chunk-isolated mask."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from vllm import LLM, SamplingParams
+
+from tests.integration.conftest import make_llm, scheduler_of
+from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
+
+pytestmark = pytest.mark.usefixtures("no_leak")
+
+SYSTEM = list(range(100, 140))
+DOC_A = list(range(200, 290))
+DOC_B = list(range(300, 333))
+DOC_C = list(range(500, 570))
+QUESTION = list(range(400, 410))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> Iterator[LLM]:
+    engine = make_llm(model_dir, enable_chunk_cache=True)
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def index_of(llm: LLM):
+    return scheduler_of(llm).connector.index
+
+
+def generate(llm: LLM, segments: list[list[int]], max_tokens: int = 6):
+    token_ids, lengths = chunked_prompt(segments)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5,
+        extra_args={"kvreuse_chunks": lengths},
+    )  # fmt: skip
+    (out,) = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
+    return out
+
+
+def chunk_isolated_mask(lengths: list[int], total: int) -> torch.Tensor:
+    """Additive mask: chunk tokens see their own chunk, the rest see all before."""
+    allowed = torch.tril(torch.ones(total, total, dtype=torch.bool))
+    start = 0
+    for length in lengths:
+        end = start + length
+        allowed[start:end, :start] = False
+        start = end
+    mask = torch.zeros(total, total)
+    mask[~allowed] = torch.finfo(torch.float32).min
+    return mask[None, None]
+
+
+@torch.no_grad()
+def hf_reference(model, segments: list[list[int]], steps: int):
+    """Greedy tokens and first-step log-probs, chunk-isolated, actual positions."""
+    token_ids, lengths = chunked_prompt(segments)
+    generated: list[int] = []
+    first_logprobs = None
+    for _ in range(steps):
+        ids = torch.tensor([token_ids + generated])
+        total = ids.shape[1]
+        logits = model(
+            input_ids=ids,
+            attention_mask=chunk_isolated_mask(lengths, total),
+            position_ids=torch.arange(total)[None],
+        ).logits[0, -1]
+        if first_logprobs is None:
+            first_logprobs = torch.log_softmax(logits, dim=-1)
+        generated.append(int(logits.argmax()))
+    return generated, first_logprobs
+
+
+def test_cold_and_warm_match_the_hf_chunk_isolated_reference(llm, hf_model) -> None:
+    segments = [SYSTEM, DOC_A, DOC_B, QUESTION]
+    expected, logprobs = hf_reference(hf_model, segments, steps=6)
+    cold = generate(llm, segments)
+    warm = generate(llm, segments)
+    assert list(cold.outputs[0].token_ids) == expected
+    assert cold.num_cached_tokens == 0  # its chunks were computed by its fills
+    assert warm.num_cached_tokens == len(SYSTEM + DOC_A + DOC_B)
+    assert list(warm.outputs[0].token_ids) == expected
+    for out in (cold, warm):
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert logprob.logprob == pytest.approx(float(logprobs[token]), abs=1e-3)
+
+
+def test_chunks_are_reused_at_other_positions(llm, hf_model) -> None:
+    """Swapped documents after a new system prompt: every cached chunk is reused
+    wherever it stands (keys re-rotated), and the answer is still the
+    reference's."""
+    generate(llm, [SYSTEM, DOC_A, DOC_C, QUESTION])  # caches DOC_C
+    stats = index_of(llm).stats
+    hits_before = stats.hit_tokens
+    segments = [list(range(600, 620)), DOC_C, DOC_A, QUESTION]
+    expected, _ = hf_reference(hf_model, segments, steps=6)
+    out = generate(llm, segments)
+    assert list(out.outputs[0].token_ids) == expected
+    assert stats.hit_tokens - hits_before == len(DOC_C) + len(DOC_A)
+    assert out.num_cached_tokens >= len(DOC_C) + len(DOC_A)
+
+
+def test_chunked_blocks_never_match_an_ordinary_request(llm) -> None:
+    """An ordinary request with the same tokens gets full-attention KV: its
+    output is the plain model's (as with an empty cache), not the chunked
+    one's."""
+    segments = [SYSTEM, DOC_B, DOC_A, QUESTION]
+    token_ids, _ = chunked_prompt(segments)
+    chunked = generate(llm, segments, max_tokens=8)
+    plain_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (plain,) = llm.generate([{"prompt_token_ids": token_ids}], plain_params)
+    (fresh,) = make_llm_free_plain(llm, token_ids, plain_params)
+    # The system prompt's fill is ordinary KV of a prompt prefix (no
+    # isolation needed at the start), so only its full block may match.
+    assert plain.num_cached_tokens <= len(SYSTEM)
+    assert list(plain.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)
+    assert list(chunked.outputs[0].token_ids) != list(plain.outputs[0].token_ids)
+
+
+def make_llm_free_plain(llm: LLM, token_ids: list[int], params: SamplingParams):
+    """The same ordinary request again, after clearing the prefix cache."""
+    llm.reset_prefix_cache()
+    return llm.generate([{"prompt_token_ids": token_ids}], params)
+
+
+def test_prompt_token_ids_are_the_concatenated_segments(llm) -> None:
+    segments = [SYSTEM, DOC_A, QUESTION]
+    out = generate(llm, segments, max_tokens=1)
+    assert list(out.prompt_token_ids) == SYSTEM + DOC_A + QUESTION
+
+
+def test_bad_lengths_run_as_an_ordinary_request(llm) -> None:
+    token_ids = SYSTEM + QUESTION
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True,
+        extra_args={"kvreuse_chunks": [len(token_ids)]},  # no question left
+    )  # fmt: skip
+    (out,) = llm.generate([{"prompt_token_ids": token_ids}], params)
+    plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (expected,) = llm.generate([{"prompt_token_ids": token_ids}], plain)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids

@@ -1,0 +1,112 @@
+"""Device ops and the chunk store's index, on real vLLM kernels and configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import _custom_ops as vllm_ops
+from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+from vllm_kvreuse import ops
+from vllm_kvreuse.chunk_cache.rope import model_rope
+from vllm_kvreuse.chunk_cache.store import ChunkIndex
+
+
+@pytest.fixture(scope="module")
+def rope(model_dir: str) -> ops.Rope:
+    config = VllmConfig(model_config=ModelConfig(model_dir, max_model_len=1024))
+    return model_rope(config)
+
+
+def rotate(keys: torch.Tensor, positions: torch.Tensor, rope: ops.Rope):
+    _, rotated = RotaryEmbedding.forward_static(
+        positions, keys.reshape(len(keys), -1).clone(), keys.reshape(len(keys), -1),
+        rope.head_size, rope.rotary_dim, rope.cos_sin_cache, rope.is_neox_style,
+    )  # fmt: skip
+    return rotated.view(keys.shape)
+
+
+def test_rerotated_keys_match_keys_computed_at_the_actual_positions(rope) -> None:
+    raw = torch.randn(50, 2, rope.head_size)
+    virtual = rotate(raw, torch.arange(50), rope)
+    actual = rotate(raw, torch.arange(50) + 333, rope)
+    moved = ops.rerotate_keys(virtual, torch.full((50,), 333), rope)
+    # float32 cos/sin tables: agreement to float32 rounding of the angles
+    torch.testing.assert_close(moved, actual, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_layout_matches_vllms_own_cache_writer(dtype) -> None:
+    """Tokens written by vLLM's CPU kernel read back through our views, and
+    tokens written through our views equal the kernel's cache bytes."""
+    blocks, heads, block_size, head_size = 4, 2, 32, 64
+    cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+    rows = cache.view(blocks, heads, 2 * block_size, head_size)
+    key_cache, value_cache = rows.chunk(2, dim=2)
+    keys = torch.randn(40, heads, head_size).to(dtype)
+    values = torch.randn(40, heads, head_size).to(dtype)
+    vllm_ops.cpu_attn_reshape_and_cache(
+        keys, values, key_cache, value_cache, torch.arange(10, 50), "vec",
+        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+    )  # fmt: skip
+    block_ids, offsets = ops.slots_of(torch.arange(blocks), 10, 40, block_size)
+    read_keys, read_values = ops.read_tokens(
+        ops.paged_kv(cache, "CPU_ATTN", block_size, "vec"), block_ids, offsets
+    )
+    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    ours = torch.zeros_like(cache)
+    ops.write_tokens(
+        ops.paged_kv(ours, "CPU_ATTN", block_size, "vec"), block_ids, offsets, keys,
+        values,
+    )  # fmt: skip
+    assert torch.equal(ours, cache)
+
+
+def test_packed_layouts_are_refused() -> None:
+    cache = torch.zeros(2, 2, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ops.UnsupportedKVLayout, match="amx"):
+        ops.paged_kv(cache, "CPU_ATTN", 32, "amx")
+
+
+def index(device_tokens: int, cpu_tokens: int = 0) -> ChunkIndex:
+    return ChunkIndex(
+        capacity={"device": device_tokens, "cpu": cpu_tokens}, bytes_per_token=1
+    )
+
+
+def ready(store: ChunkIndex, key: bytes, tokens: int) -> None:
+    assert store.reserve(key, tokens)
+    store.mark_ready(key)
+    store.unpin(key)
+
+
+def test_least_recently_used_unpinned_chunk_goes_first() -> None:
+    store = index(100)
+    ready(store, b"a", 40)
+    ready(store, b"b", 40)
+    store.touch(b"a")
+    assert store.reserve(b"c", 40)
+    assert store.get(b"b") is None and store.get(b"a") is not None
+    assert [(op.kind, op.key) for op in store.take_ops()] == [("evict", b"b")]
+    assert store.bytes_in("device") == 80
+
+
+def test_device_evictions_are_demoted_when_the_cpu_tier_has_room() -> None:
+    store = index(50, cpu_tokens=50)
+    ready(store, b"a", 40)
+    assert store.reserve(b"b", 40)
+    assert store.get(b"a").tier == "cpu"
+    assert [(op.kind, op.key) for op in store.take_ops()] == [("demote", b"a")]
+
+
+def test_pinned_or_oversized_chunks_are_refused_without_changes() -> None:
+    store = index(50)
+    ready(store, b"a", 40)
+    store.pin(b"a")
+    assert not store.reserve(b"b", 20)  # a is pinned
+    assert not store.reserve(b"c", 60)  # larger than the tier
+    assert store.get(b"a") is not None and not store.take_ops()
+    assert store.stats.refused == 2
+    store.unpin(b"a")
+    assert store.clear() == 1 and store.bytes_in("device") == 0

@@ -1,0 +1,115 @@
+"""Frontend side of the chunk cache: prompts split into segments.
+
+A text prompt ``sys##doc1##doc2##question`` (separator ``--chunk-separator``)
+is split at the separator and each segment tokenised alone, so a document's
+tokens never depend on its neighbours; the separators are not model input.
+Token-id clients send the segments as ``chunks: [[ids...], ..., [question
+ids]]`` instead of ``prompt``. Either way the engine gets the concatenated
+token ids plus the chunk lengths (``extra_args["kvreuse_chunks"]``).
+
+A prompt without the separator is left to vLLM untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import tokens_input
+
+from vllm_kvreuse.chunk_cache.params import CHUNKS, validate_lengths
+from vllm_kvreuse.config import KVReuseConfig
+
+BODY_FIELD = "chunks"
+
+
+def split_text(text: str, separator: str, tokenizer: Any) -> list[list[int]]:
+    """Token ids of each segment of ``text``, tokenised alone.
+
+    The first segment gets the tokenizer's special prefix tokens (BOS), as
+    the whole prompt would; later ones none. Empty segments are refused.
+    """
+    segments = text.split(separator)
+    if any(not segment for segment in segments):
+        raise VLLMValidationError(
+            f"empty segment in a chunked prompt (separator {separator!r})",
+            parameter="prompt",
+        )
+    return [
+        tokenizer.encode(segment, add_special_tokens=number == 0)
+        for number, segment in enumerate(segments)
+    ]
+
+
+def check_segments(segments: Any) -> list[list[int]]:
+    """``chunks`` as lists of token ids: at least one chunk and a question."""
+    if (
+        not isinstance(segments, list)
+        or len(segments) < 2
+        or not all(
+            isinstance(segment, list)
+            and segment
+            and all(type(token) is int and token >= 0 for token in segment)
+            for segment in segments
+        )
+    ):
+        raise VLLMValidationError(
+            f"{BODY_FIELD} must be a list of at least two non-empty lists of "
+            "token ids: the chunks, then the question",
+            parameter=BODY_FIELD,
+        )
+    return segments
+
+
+def chunked_prompt(segments: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(prompt token ids, chunk lengths) of segments whose last is the question."""
+    token_ids = [token for segment in segments for token in segment]
+    lengths = [len(segment) for segment in segments[:-1]]
+    return token_ids, validate_lengths(lengths, len(token_ids))
+
+
+def segments_of(request: Any, separator: str, tokenizer: Any) -> list[list[int]] | None:
+    """The segments of an HTTP completion request, or None if it is not chunked."""
+    body = request.model_extra or {}
+    if body.get(BODY_FIELD) is not None:
+        if request.prompt not in (None, "", []):
+            raise VLLMValidationError(
+                f"send either prompt or {BODY_FIELD}, not both", parameter=BODY_FIELD
+            )
+        return check_segments(body[BODY_FIELD])
+    if isinstance(request.prompt, str) and separator in request.prompt:
+        return split_text(request.prompt, separator, tokenizer)
+    return None
+
+
+async def render_chunked(serving: Any, request: Any) -> list[Any] | Any | None:
+    """Engine inputs (or an error object) for a chunked prompt; None otherwise."""
+    config = KVReuseConfig.from_vllm_config(serving.engine_client.vllm_config)
+    if not config.enable_chunk_cache:
+        if (request.model_extra or {}).get(BODY_FIELD) is not None:
+            return serving.create_error_response(
+                f"{BODY_FIELD} needs a server started with --enable-chunk-cache",
+                param=BODY_FIELD,
+            )
+        return None
+    try:
+        segments = segments_of(
+            request, config.chunk_separator, serving.renderer.get_tokenizer()
+        )
+        if segments is None:
+            return None
+        token_ids, lengths = chunked_prompt(segments)
+        max_len = serving.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise VLLMValidationError(
+                f"the chunked prompt has {len(token_ids)} tokens; this model's "
+                f"context length is {max_len}",
+                parameter="prompt",
+            )
+    except (VLLMValidationError, ValueError) as e:
+        return serving.create_error_response(str(e), param=BODY_FIELD)
+    request.vllm_xargs = {**(request.vllm_xargs or {}), CHUNKS: lengths}
+    return await serving._check_model(request) or [
+        tokens_input(token_ids, cache_salt=request.cache_salt)
+    ]
