@@ -52,7 +52,8 @@ def ask(client: httpx.Client, prompt: str) -> tuple[float, int, int]:
     start = time.perf_counter()
     response = client.post("/v1/completions", json=body)
     elapsed = time.perf_counter() - start
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.status_code}: {response.text}")
     usage = response.json()["usage"]
     details = usage.get("prompt_tokens_details") or {}
     return elapsed, usage["prompt_tokens"], details.get("cached_tokens") or 0

@@ -340,6 +340,17 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM schedules timed work in the engine core.",
     ),
     Patch(
+        target="vllm.v1.engine.core:EngineCore.kvreuse_chunk_cache",
+        wrapper="vllm_kvreuse.chunk_cache.admin:make_chunk_cache_utility",
+        kind="new",
+        signature=ABSENT,
+        why="The chunk store's index lives in the scheduler, in the engine "
+        "core; the admin endpoint (an endpoint plugin) needs a way to reach it.",
+        how="Adds an engine-core utility that the endpoint plugin calls through "
+        "call_utility_async: stats, clear, pin, unpin.",
+        remove_when="vLLM exposes KV-connector admin calls.",
+    ),
+    Patch(
         target="vllm.entrypoints.generate.beam_search.online:"
         "BeamSearchOnlineMixin.beam_search",
         wrapper="vllm_kvreuse.beam.frontend:wrap_beam_search",

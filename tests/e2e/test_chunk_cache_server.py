@@ -24,7 +24,7 @@ def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]
     try:
         chunked = Server(
             model_dir, "--enable-chunk-cache", log_path=logs / "chunked.log",
-            block_size=BLOCK_SIZE,
+            block_size=BLOCK_SIZE, env={"VLLM_PLUGINS": "kvreuse"},
         )  # fmt: skip
     except Exception:
         plain.close()
@@ -114,3 +114,40 @@ def test_chunks_field_needs_the_flag(servers) -> None:
     plain, _ = servers
     response = complete(plain, chunks=[[1, 2], [3]])
     assert response.status_code == 400
+
+
+def test_store_stats_reach_metrics(servers) -> None:
+    _, chunked = servers
+    complete(chunked, prompt=rag_prompt([0, 2]))
+    complete(chunked, prompt=rag_prompt([2, 0]))
+    assert chunked.metric("vllm_kvreuse:chunk_cache_hits_total") >= 2
+    assert chunked.metric("vllm_kvreuse:chunk_cache_misses_total") >= 1
+    assert chunked.metric("vllm_kvreuse:chunk_cache_chunks") >= 3
+    assert chunked.metric("vllm_kvreuse:chunk_cache_device_bytes") > 0
+
+
+def admin(server: Server, action: str = "", **body) -> dict:
+    url = f"{server.url}/v1/kvreuse/chunk_cache" + (f"/{action}" if action else "")
+    response = (
+        httpx.post(url, json=body, timeout=30) if action else httpx.get(url, timeout=30)
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_admin_endpoint_pins_clears_and_reports(servers, tokenizer) -> None:
+    _, chunked = servers
+    complete(chunked, prompt=rag_prompt([1, 0]))
+    stats = admin(chunked)
+    assert stats["chunks"] >= 3 and 0.0 <= stats["hit_rate"] <= 1.0
+    assert stats["device_capacity_bytes"] > stats["device_bytes"] > 0
+    doc = tokenizer.encode(DOCS[1], add_special_tokens=False)
+    assert admin(chunked, "pin", token_ids=doc) == {"found": True, "pinned": True}
+    assert admin(chunked, "pin", token_ids=[1, 2, 3]) == {"found": False}
+    assert admin(chunked, "clear")["evicted"] == stats["chunks"] - 1
+    assert admin(chunked)["chunks"] == 1  # the pinned document stays
+    assert admin(chunked, "unpin", token_ids=doc)["pinned"] is False
+    assert admin(chunked, "clear")["evicted"] == 1
+    assert admin(chunked)["chunks"] == 0
+    bad = httpx.post(f"{chunked.url}/v1/kvreuse/chunk_cache/pin", json={}, timeout=30)
+    assert bad.status_code in (400, 422)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from vllm import LLM, SamplingParams
 
+from tests.conftest import BLOCK_SIZE
 from tests.integration.conftest import make_llm, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 
@@ -52,13 +53,18 @@ def generate(llm: LLM, segments: list[list[int]], max_tokens: int = 6):
     return out
 
 
-def chunk_isolated_mask(lengths: list[int], total: int) -> torch.Tensor:
-    """Additive mask: chunk tokens see their own chunk, the rest see all before."""
+def chunk_isolated_mask(
+    lengths: list[int], total: int, see_system: bool = False
+) -> torch.Tensor:
+    """Additive mask: chunk tokens see their own chunk (and, ``see_system``,
+    the first segment), the rest see all before."""
     allowed = torch.tril(torch.ones(total, total, dtype=torch.bool))
     start = 0
-    for length in lengths:
+    for number, length in enumerate(lengths):
         end = start + length
         allowed[start:end, :start] = False
+        if see_system and number:
+            allowed[start:end, : lengths[0]] = True
         start = end
     mask = torch.zeros(total, total)
     mask[~allowed] = torch.finfo(torch.float32).min
@@ -66,7 +72,7 @@ def chunk_isolated_mask(lengths: list[int], total: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_reference(model, segments: list[list[int]], steps: int):
+def hf_reference(model, segments: list[list[int]], steps: int, see_system=False):
     """Greedy tokens and first-step log-probs, chunk-isolated, actual positions."""
     token_ids, lengths = chunked_prompt(segments)
     generated: list[int] = []
@@ -76,7 +82,7 @@ def hf_reference(model, segments: list[list[int]], steps: int):
         total = ids.shape[1]
         logits = model(
             input_ids=ids,
-            attention_mask=chunk_isolated_mask(lengths, total),
+            attention_mask=chunk_isolated_mask(lengths, total, see_system),
             position_ids=torch.arange(total)[None],
         ).logits[0, -1]
         if first_logprobs is None:
@@ -153,3 +159,21 @@ def test_bad_lengths_run_as_an_ordinary_request(llm) -> None:
     plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     (expected,) = llm.generate([{"prompt_token_ids": token_ids}], plain)
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def system_mode_llm(model_dir: str, llm: LLM) -> Iterator[LLM]:
+    engine = make_llm(model_dir, enable_chunk_cache=True, chunk_attention="system")
+    yield engine
+    del engine
+
+
+def test_system_mode_matches_the_hf_reference(system_mode_llm, hf_model) -> None:
+    """Chunks computed after the system prompt (virtual positions from its
+    length), reused after the same system prompt in another order."""
+    generate(system_mode_llm, [SYSTEM, DOC_A, DOC_B, QUESTION])
+    segments = [SYSTEM, DOC_B, DOC_A, QUESTION]
+    expected, _ = hf_reference(hf_model, segments, steps=6, see_system=True)
+    out = generate(system_mode_llm, segments)
+    assert list(out.outputs[0].token_ids) == expected
+    assert out.num_cached_tokens >= len(SYSTEM + DOC_A + DOC_B) - BLOCK_SIZE

@@ -84,3 +84,22 @@ def test_abort_of_the_root_frees_the_group(make_scheduler) -> None:
     assert not scheduler._groups and not scheduler._held
     run(scheduler)
     assert num_free_blocks(scheduler) == free_at_start
+
+
+def test_a_step_is_admitted_whole_or_not_at_all(make_scheduler) -> None:
+    """8 blocks: a plain request holds 4, the root 2; a 4-beam step needs 4
+    new tail blocks, so its members wait together until the plain request
+    ends, instead of one member running while three wait for blocks."""
+    scheduler = make_scheduler(num_blocks=8)
+    free_at_start = num_free_blocks(scheduler)
+    scheduler.add_request(make_request("plain", list(range(1000, 1120)), max_tokens=6))
+    scheduler.add_request(root(width=4, max_tokens=3))
+    scheduled, outputs = run(scheduler)
+    members_per_step = [
+        sum(1 for request_id in step if "-beam" in request_id) for step, _ in scheduled
+    ]
+    assert set(members_per_step) <= {0, 4}, members_per_step
+    assert members_per_step.count(4) == 2  # tokens 2 and 3, each step whole
+    finals = {o.request_id: o for o in outputs if o.finish_reason is not None}
+    assert RESULT_KEY in finals["root"].kv_transfer_params
+    assert num_free_blocks(scheduler) == free_at_start

@@ -84,7 +84,12 @@ class BeamSearchMixin(ContinuationMixin):
     # -- upstream hooks -------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        output = super().schedule(*args, **kwargs)
+        parked = self._park_groups_that_do_not_fit()
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            if parked:  # back at the head, in their order
+                self.waiting.prepend_requests(reversed(parked))
         if self._held and self._under_memory_pressure(output):
             # Held beams may be what blocks the queue's head: let the oldest
             # group's go. Its waiting members then fall back to the prefix
@@ -146,6 +151,42 @@ class BeamSearchMixin(ContinuationMixin):
         for group in ready:
             self._advance(group, outputs)
         return outputs
+
+    # -- group admission --------------------------------------------------------
+
+    def _park_groups_that_do_not_fit(self) -> list[Request]:
+        """Takes out of the queue, for this step, every waiting member of a
+        group whose step does not fit the free blocks as a whole.
+
+        A member inherits its parent's blocks and needs one new block (its
+        copy-on-write tail), so a step of ``k`` waiting members needs ``k``
+        free blocks. Admitting a step whole means no member holds blocks
+        while its siblings wait for them; groups are considered oldest first.
+        A step that admits nothing counts as memory pressure, which releases
+        the oldest group's held beams, so parking can never deadlock.
+        """
+        if not self._groups or not self.waiting:
+            return []
+        waiting: dict[str, list[Request]] = {}  # root id -> waiting members
+        for request in self.waiting:
+            group = self._member_group.get(request.request_id)
+            if group is not None and request.request_id != group.root.request_id:
+                waiting.setdefault(group.root.request_id, []).append(request)
+        if not waiting:
+            return []
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        parked: list[Request] = []
+        for root_id in self._groups:  # oldest first
+            members = waiting.get(root_id)
+            if not members:
+                continue
+            if len(members) <= free:
+                free -= len(members)
+            else:
+                parked += members
+        if parked:
+            self.waiting.remove_requests(parked)
+        return parked
 
     # -- group steps -----------------------------------------------------------
 

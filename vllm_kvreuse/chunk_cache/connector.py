@@ -40,6 +40,11 @@ from vllm.logger import init_logger
 
 from vllm_kvreuse import ops
 from vllm_kvreuse.chunk_cache.keys import ChunkKey
+from vllm_kvreuse.chunk_cache.stats import (
+    COUNTERS,
+    ChunkCachePromMetrics,
+    ChunkCacheStats,
+)
 from vllm_kvreuse.chunk_cache.store import ChunkIndex, StoreOp
 from vllm_kvreuse.config import KVReuseConfig
 
@@ -69,6 +74,7 @@ class ChunkPlan:
     """A chunked request's chunks, laid end to end from position 0."""
 
     chunks: list[PlannedChunk]
+    user_salt: str | None = None  # the request's own cache_salt
     pinned: bool = True
 
     @property
@@ -155,6 +161,50 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         self.fills: dict[str, Fill] = {}
         self._loads: dict[str, tuple[int, bool]] = {}  # request id -> (start, sync)
         self._kv_cache_manager: KVCacheManager | None = None
+        self._reported: dict[str, int] = {}
+
+    def snapshot(self) -> dict[str, int]:
+        """Totals of the counters and current gauges of the store."""
+        index = self.index
+        stats = index.stats
+        return {
+            **{name: getattr(stats, name) for name in COUNTERS},
+            "chunks": len(index.entries),
+            "stored_tokens": sum(e.num_tokens for e in index.entries.values()),
+            "pinned": sum(1 for e in index.entries.values() if e.pins),
+            "device_bytes": index.bytes_in("device"),
+            "cpu_bytes": index.bytes_in("cpu"),
+        }
+
+    def get_kv_connector_stats(self) -> ChunkCacheStats | None:
+        if self._role != KVConnectorRole.SCHEDULER:
+            return None
+        now = self.snapshot()
+        if now == self._reported:
+            return None
+        data = {
+            name: value - self._reported.get(name, 0) if name in COUNTERS else value
+            for name, value in now.items()
+        }
+        self._reported = now
+        return ChunkCacheStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> ChunkCacheStats:
+        return ChunkCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> ChunkCachePromMetrics:
+        return ChunkCachePromMetrics(*args, **kwargs)
+
+    def reset_cache(self) -> bool:
+        """Evicts every unpinned chunk (vLLM's reset_prefix_cache with
+        ``reset_external``)."""
+        if self._role == KVConnectorRole.SCHEDULER:
+            self.index.clear()
+        return True
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager

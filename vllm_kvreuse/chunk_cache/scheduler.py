@@ -71,6 +71,7 @@ class ChunkCacheMixin(Scheduler):
         self._fill_ids: set[str] = set()
         self._fill_counter = itertools.count()
         self.num_degraded_chunked_requests = 0
+        self._admin_pins: set[bytes] = set()
         # Tokens of each new chunked request not stored when it arrived: its
         # usage and prefill stats must not count them as cached, although
         # they are loaded like stored ones.
@@ -155,18 +156,42 @@ class ChunkCacheMixin(Scheduler):
         if plan is None or plan.pinned:
             return
         assert self._chunks is not None
-        plan.pinned = True
+        index = self._chunks.index
         prompt = request.prompt_token_ids or []
+        pinned: list[bytes] = []
+        fills: list[Fill] = []
         for chunk in plan.chunks:
-            if self._chunks.index.get(chunk.key) is not None:
-                self._chunks.index.pin(chunk.key)
+            if index.get(chunk.key) is not None:
+                index.pin(chunk.key)
+                pinned.append(chunk.key)
                 continue
+            if not index.reserve(chunk.key, chunk.length):
+                # No room to compute it again: run on as an ordinary request
+                # (it owns no blocks now, so its hashes can change).
+                for key in pinned:
+                    index.unpin(key)
+                for fill in fills:
+                    index.drop(fill.key)
+                self._chunks.plans.pop(request.request_id, None)
+                request.cache_salt = plan.user_salt
+                request.block_hashes = []
+                request.update_block_hashes()
+                self.num_degraded_chunked_requests += 1
+                return
             context = prompt[: chunk.virtual_start]
             tokens = prompt[chunk.start : chunk.start + chunk.length]
-            if self._chunks.index.reserve(chunk.key, chunk.length):
-                self._add_fill(
-                    self._fill(request, chunk.key, [*context, *tokens], len(context))
+            fills.append(
+                self._fill(
+                    request,
+                    chunk.key,
+                    [*context, *tokens],
+                    len(context),
+                    plan.user_salt,
                 )
+            )
+        plan.pinned = True
+        for fill in fills:
+            self._add_fill(fill)
 
     def _add_fill(self, fill: Fill) -> None:
         assert self._chunks is not None
@@ -201,10 +226,8 @@ class ChunkCacheMixin(Scheduler):
         assert self._chunks is not None
         index = self._chunks.index
         prompt = request.prompt_token_ids or []
-        salt = "|".join(
-            (request.cache_salt or "", getattr(request.lora_request, "lora_name", ""))
-        )
         system = prompt[: lengths[0]] if self._chunk_mode == "system" else []
+        salt = self._key_salt(request.cache_salt, request.lora_request)
         chunks: list[PlannedChunk] = []
         fills: list[Fill] = []
         start = 0
@@ -230,12 +253,75 @@ class ChunkCacheMixin(Scheduler):
                 return None
             index.stats.misses += 1
             index.stats.miss_tokens += length
-            fills.append(self._fill(request, key, [*context, *tokens], len(context)))
-        return ChunkPlan(chunks), fills
+            fills.append(
+                self._fill(
+                    request, key, [*context, *tokens], len(context), request.cache_salt
+                )
+            )
+        return ChunkPlan(chunks, user_salt=request.cache_salt), fills
+
+    @staticmethod
+    def _key_salt(cache_salt: str | None, lora_request: Any) -> str:
+        return "|".join((cache_salt or "", getattr(lora_request, "lora_name", "")))
+
+    def chunk_cache_admin(
+        self,
+        action: str,
+        token_ids: list[int] | None = None,
+        system_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """The admin endpoint's actions: stats, clear, pin, unpin.
+
+        ``pin`` holds a stored chunk (``token_ids``, after
+        ``system_token_ids`` in "system" mode) against eviction until
+        ``unpin``; an admin pin is counted once however often it is asked.
+        """
+        if self._chunks is None:
+            raise ValueError("the chunk cache is not enabled on this server")
+        index = self._chunks.index
+        if action == "clear":
+            return {"evicted": index.clear()}
+        if action in ("pin", "unpin"):
+            if not token_ids:
+                raise ValueError("token_ids must list the chunk's token ids")
+            context = system_token_ids or [] if self._chunk_mode == "system" else []
+            key = chunk_key(
+                self._chunk_hasher, self._chunk_identity,
+                self._key_salt(cache_salt, None), context, token_ids,
+            )  # fmt: skip
+            entry = index.get(key)
+            if entry is None or not entry.ready:
+                return {"found": False}
+            if action == "pin" and key not in self._admin_pins:
+                self._admin_pins.add(key)
+                index.pin(key)
+            elif action == "unpin" and key in self._admin_pins:
+                self._admin_pins.discard(key)
+                index.unpin(key)
+            return {"found": True, "pinned": entry.pins > 0}
+        if action != "stats":
+            raise ValueError(f"unknown chunk-cache action {action!r}")
+        stats = self._chunks.snapshot()
+        looked_up = stats["hits"] + stats["misses"]
+        return {
+            **stats,
+            "hit_rate": stats["hits"] / looked_up if looked_up else 0.0,
+            "device_capacity_bytes": index.capacity["device"],
+            "cpu_capacity_bytes": index.capacity["cpu"],
+            "degraded_requests": self.num_degraded_chunked_requests,
+        }
 
     def _fill(
-        self, request: Request, key: bytes, prompt: list[int], start: int
+        self,
+        request: Request,
+        key: bytes,
+        prompt: list[int],
+        start: int,
+        cache_salt: str | None,
     ) -> Fill:
+        """A fill computing ``prompt[start:]`` after ``prompt[:start]``, hashed
+        under the requester's own salt (its KV is ordinary KV of ``prompt``)."""
         fill = Request(
             request_id=f"kvreuse-fill-{next(self._fill_counter)}-{key.hex()[:12]}",
             prompt_token_ids=prompt,
@@ -245,7 +331,7 @@ class ChunkCacheMixin(Scheduler):
             pooling_params=None,
             client_index=request.client_index,
             lora_request=request.lora_request,
-            cache_salt=request.cache_salt,
+            cache_salt=cache_salt,
             priority=request.priority,
             block_hasher=request._block_hasher,
         )

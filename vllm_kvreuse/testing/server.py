@@ -38,7 +38,12 @@ class Server:
     """
 
     def __init__(
-        self, model_dir: str, *args: str, log_path: Path, block_size: int = 32
+        self,
+        model_dir: str,
+        *args: str,
+        log_path: Path,
+        block_size: int = 32,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -52,7 +57,10 @@ class Server:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env()
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**server_env(), **(env or {})},
         )
         self._wait_ready(timeout=300)
 

@@ -1,0 +1,102 @@
+"""Admin endpoint of the chunk store, as a vLLM endpoint plugin.
+
+Routes (all JSON):
+- ``GET /v1/kvreuse/chunk_cache``: chunks, hits, misses, hit rate, tokens,
+  evictions, bytes and capacity per tier, pinned chunks;
+- ``POST /v1/kvreuse/chunk_cache/clear``: evicts every unpinned chunk;
+- ``POST /v1/kvreuse/chunk_cache/pin`` and ``/unpin`` with ``{"token_ids":
+  [...], "cache_salt": ..., "system_token_ids": [...]}``: hold a stored
+  chunk against eviction, or let it go.
+
+vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``; this one
+and the general plugin are both named ``kvreuse``, so
+``VLLM_PLUGINS=kvreuse`` loads both. The engine side is the engine-core
+utility ``kvreuse_chunk_cache`` installed by the general plugin
+(:mod:`vllm_kvreuse.patches`).
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.datastructures import State
+
+UTILITY = "kvreuse_chunk_cache"
+router = APIRouter(prefix="/v1/kvreuse/chunk_cache")
+
+
+class ChunkRef(BaseModel):
+    token_ids: list[int]
+    system_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+
+async def _call(request: Request, action: str, ref: ChunkRef | None = None) -> Any:
+    engine = request.app.state.kvreuse_engine_client
+    args = (ref.token_ids, ref.system_token_ids, ref.cache_salt) if ref else ()
+    try:
+        result = await engine.engine_core.call_utility_async(UTILITY, action, *args)
+    except Exception as e:  # the engine's ValueError comes back as an error
+        return JSONResponse(
+            {"error": {"message": str(e), "type": "BadRequestError", "code": 400}},
+            status_code=HTTPStatus.BAD_REQUEST,
+        )
+    return JSONResponse(result)
+
+
+@router.get("")
+async def stats(request: Request) -> Any:
+    return await _call(request, "stats")
+
+
+@router.post("/clear")
+async def clear(request: Request) -> Any:
+    return await _call(request, "clear")
+
+
+@router.post("/pin")
+async def pin(request: Request, ref: ChunkRef) -> Any:
+    return await _call(request, "pin", ref)
+
+
+@router.post("/unpin")
+async def unpin(request: Request, ref: ChunkRef) -> Any:
+    return await _call(request, "unpin", ref)
+
+
+class ChunkCacheAdmin:
+    """The ``vllm.endpoint_plugins`` entry point's plugin object."""
+
+    name = "kvreuse"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(router)
+
+    async def init_state(
+        self, engine_client: Any, state: State, args: Namespace
+    ) -> None:
+        state.kvreuse_engine_client = engine_client
+
+
+def make_chunk_cache_utility(_: None) -> Any:
+    def kvreuse_chunk_cache(
+        self: Any,
+        action: str,
+        token_ids: list[int] | None = None,
+        system_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """Engine-core utility behind the admin endpoint (typed arguments:
+        vLLM converts them by annotation)."""
+        admin = getattr(self.scheduler, "chunk_cache_admin", None)
+        if admin is None:
+            raise ValueError("the chunk cache is not enabled on this server")
+        return admin(action, token_ids, system_token_ids, cache_salt)
+
+    return kvreuse_chunk_cache
