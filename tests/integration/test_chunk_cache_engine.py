@@ -177,3 +177,65 @@ def test_system_mode_matches_the_hf_reference(system_mode_llm, hf_model) -> None
     out = generate(system_mode_llm, segments)
     assert list(out.outputs[0].token_ids) == expected
     assert out.num_cached_tokens >= len(SYSTEM + DOC_A + DOC_B) - BLOCK_SIZE
+
+
+def test_concurrent_requests_share_one_fill_per_chunk(llm) -> None:
+    """Two requests arriving together, both missing DOC_D: one fill."""
+    doc_d = list(range(700, 760))
+    stats = index_of(llm).stats
+    misses, miss_tokens = stats.misses, stats.miss_tokens
+    token_a, lengths_a = chunked_prompt([SYSTEM, doc_d, [5, 6, 7]])
+    token_b, lengths_b = chunked_prompt([SYSTEM, doc_d, [8, 9, 10, 11]])
+    params = [
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                       extra_args={"kvreuse_chunks": lengths})
+        for lengths in (lengths_a, lengths_b)
+    ]  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": token_a}, {"prompt_token_ids": token_b}], params
+    )
+    assert all(len(out.outputs[0].token_ids) == 2 for out in outs)
+    assert stats.misses - misses == 1
+    assert stats.miss_tokens - miss_tokens == len(doc_d)
+
+
+def test_stored_chunks_count_as_hits_for_the_cache_threshold(llm) -> None:
+    segments = [list(range(800, 840)), list(range(900, 990)), list(range(30, 40))]
+    token_ids, lengths = chunked_prompt(segments)
+
+    def ask(threshold: float):
+        params = SamplingParams(
+            max_tokens=2, temperature=0.0, ignore_eos=True,
+            extra_args={"kvreuse_chunks": lengths, "cache_hit_threshold": threshold},
+        )  # fmt: skip
+        (out,) = llm.generate([{"prompt_token_ids": token_ids}], params)
+        return out.outputs[0].finish_reason
+
+    assert ask(0.5) == "cache_threshold"  # cold: its chunks are not stored
+    # The rejected request's fills still ran (documented), so a retry hits:
+    # 130 of its 140 tokens are stored chunks.
+    assert ask(0.9) == "length"
+    assert ask(0.95) == "cache_threshold"
+
+
+@pytest.fixture(scope="module")
+def tiny_store_llm(model_dir: str, llm: LLM) -> Iterator[LLM]:
+    """A device tier too small for any chunk of these tests."""
+    engine = make_llm(
+        model_dir, enable_chunk_cache=True, chunk_cache_device_fraction=1e-6
+    )
+    yield engine
+    del engine
+
+
+def test_a_chunk_the_store_cannot_take_runs_as_an_ordinary_request(
+    tiny_store_llm,
+) -> None:
+    segments = [SYSTEM, DOC_A, QUESTION]
+    out = generate(tiny_store_llm, segments)
+    token_ids, _ = chunked_prompt(segments)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (expected,) = tiny_store_llm.generate([{"prompt_token_ids": token_ids}], plain)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert scheduler_of(tiny_store_llm).num_degraded_chunked_requests == 1
+    assert index_of(tiny_store_llm).stats.refused >= 1

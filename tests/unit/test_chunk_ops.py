@@ -9,7 +9,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 from vllm_kvreuse import ops
-from vllm_kvreuse.chunk_cache.rope import model_rope
+from vllm_kvreuse.chunk_cache.rope import UnsupportedModel, model_rope
 from vllm_kvreuse.chunk_cache.store import ChunkIndex
 
 
@@ -34,6 +34,25 @@ def test_rerotated_keys_match_keys_computed_at_the_actual_positions(rope) -> Non
     moved = ops.rerotate_keys(virtual, torch.full((50,), 333), rope)
     # float32 cos/sin tables: agreement to float32 rounding of the angles
     torch.testing.assert_close(moved, actual, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+             "original_max_position_embeddings": 256, "rope_theta": 1e4}},
+            "YaRNScalingRotaryEmbedding is not linear",
+        ),
+        ({"architectures": ["PhiForCausalLM"]}, "supports"),
+    ],
+)  # fmt: skip
+def test_models_that_cannot_be_rerotated_exactly_are_refused(
+    model_dir: str, overrides: dict, reason: str
+) -> None:
+    config = ModelConfig(model_dir, max_model_len=1024, hf_overrides=overrides)
+    with pytest.raises(UnsupportedModel, match=reason):
+        model_rope(VllmConfig(model_config=config))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
