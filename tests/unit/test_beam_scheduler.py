@@ -103,3 +103,24 @@ def test_a_step_is_admitted_whole_or_not_at_all(make_scheduler) -> None:
     finals = {o.request_id: o for o in outputs if o.finish_reason is not None}
     assert RESULT_KEY in finals["root"].kv_transfer_params
     assert num_free_blocks(scheduler) == free_at_start
+
+
+def test_beams_reuse_the_root_prompt_hashes_and_hash_the_rest(make_scheduler) -> None:
+    """A beam's block hashes equal hashing its whole prompt from scratch."""
+    scheduler = make_scheduler()
+    long_prompt = list(range(400, 470))  # 2 full blocks + 6
+    config = BeamConfig(width=2, max_tokens=40, eos_token_id=2)
+    request = make_request(
+        "root", long_prompt, max_tokens=1, kvreuse_beam=config.to_dict()
+    )
+    request.sampling_params.logprobs = 4
+    scheduler.add_request(request)
+    for _ in range(30):  # past the next block boundary (96 tokens)
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, model_output(output))
+    members = [r for r in scheduler.requests.values() if "-beam" in r.request_id]
+    assert members and members[0].num_tokens > 96
+    for member in members:
+        fresh = make_request("fresh", member.prompt_token_ids)
+        assert member.block_hashes == fresh.block_hashes
+    scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)

@@ -260,8 +260,16 @@ class BeamSearchMixin(ContinuationMixin):
             lora_request=root.lora_request,
             cache_salt=root.cache_salt,
             priority=root.priority,
-            block_hasher=root._block_hasher,
         )
+        # Every beam starts with the root's prompt: reuse its full-block
+        # hashes and hash only the blocks past them (hashes chain, so the
+        # hasher continues from the last one).
+        hash_block_size = self.cache_config.hash_block_size or self.block_size
+        request.block_hashes = root.block_hashes[
+            : root.num_prompt_tokens // hash_block_size
+        ]
+        request._block_hasher = root._block_hasher
+        request.update_block_hashes()
         group.num_forks += 1
         group.num_copied_blocks += bool((len(tokens) - 1) % self.block_size)
         self._member_group[request.request_id] = group

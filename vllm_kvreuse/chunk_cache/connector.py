@@ -123,6 +123,7 @@ class ChunkMeta(KVConnectorMetadata):
     """One step's work for the workers, applied in this order."""
 
     ops: list[StoreOp] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # pending loads to drop
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
 
@@ -162,6 +163,8 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         self._loads: dict[str, tuple[int, bool]] = {}  # request id -> (start, sync)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reported: dict[str, int] = {}
+        self._waiting_loads: set[str] = set()  # async loads not yet received
+        self._cancelled: list[str] = []
 
     def snapshot(self) -> dict[str, int]:
         """Totals of the counters and current gauges of the store."""
@@ -264,7 +267,10 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
             )
             if sync:
                 self._unpin(plan)
+            else:
+                self._waiting_loads.add(request_id)
         self._loads.clear()
+        meta.cancelled, self._cancelled = self._cancelled, []
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, fill in self.fills.items():
             request = fill.request
@@ -283,6 +289,7 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         for request_id in connector_output.finished_recving or ():
+            self._waiting_loads.discard(request_id)
             plan = self.plans.get(request_id)
             if plan is not None:
                 self._unpin(plan)
@@ -292,6 +299,12 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         plan = self.plans.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        if request.request_id in self._waiting_loads:
+            # Its blocks go back to the pool now: the worker must never write
+            # them, so the pending load is dropped before any later step's
+            # loads run.
+            self._waiting_loads.discard(request.request_id)
+            self._cancelled.append(request.request_id)
         if plan is not None:
             self._unpin(plan)
         return False, None
@@ -366,6 +379,9 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
                 self.stored.pop(op.key, None)
             elif op.key in self.stored:
                 self.stored[op.key] = self.stored[op.key].to("cpu")
+        if meta.cancelled:
+            cancelled = set(meta.cancelled)
+            self.waiting = [w for w in self.waiting if w.request_id not in cancelled]
         for load in meta.loads:
             if load.sync:
                 self._load(load)

@@ -1,0 +1,51 @@
+"""Chunk-cache engine settings other than the default, one engine per test
+(vLLM allows one chunk-cache engine per process at a time)."""
+
+from __future__ import annotations
+
+from vllm import SamplingParams
+
+from tests.conftest import BLOCK_SIZE
+from tests.integration.conftest import num_free_blocks, scheduler_of
+from tests.integration.test_chunk_cache_engine import (
+    DOC_A,
+    DOC_B,
+    QUESTION,
+    SYSTEM,
+    chunk_cache_llm,
+    generate,
+    hf_model,  # noqa: F401 - fixture
+    hf_reference,
+    index_of,
+)
+from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
+
+
+def test_system_mode_matches_the_hf_reference(model_dir: str, hf_model) -> None:  # noqa: F811
+    """Chunks computed after the system prompt (virtual positions from its
+    length), reused after the same system prompt in another order."""
+    with chunk_cache_llm(model_dir, chunk_attention="system") as llm:
+        free = num_free_blocks(llm)
+        generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION])
+        segments = [SYSTEM, DOC_B, DOC_A, QUESTION]
+        expected, _ = hf_reference(hf_model, segments, steps=6, see_system=True)
+        out = generate(llm, segments)
+        assert list(out.outputs[0].token_ids) == expected
+        assert out.num_cached_tokens >= len(SYSTEM + DOC_A + DOC_B) - BLOCK_SIZE
+        assert num_free_blocks(llm) == free
+
+
+def test_a_chunk_the_store_cannot_take_runs_as_an_ordinary_request(
+    model_dir: str,
+) -> None:
+    with chunk_cache_llm(model_dir, chunk_cache_device_fraction=1e-6) as llm:
+        free = num_free_blocks(llm)
+        segments = [SYSTEM, DOC_A, QUESTION]
+        out = generate(llm, segments)
+        token_ids, _ = chunked_prompt(segments)
+        plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        (expected,) = llm.generate([{"prompt_token_ids": token_ids}], plain)
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert scheduler_of(llm).num_degraded_chunked_requests == 1
+        assert index_of(llm).stats.refused >= 1
+        assert num_free_blocks(llm) == free
