@@ -21,19 +21,7 @@ import random
 import torch
 from transformers import AutoModelForCausalLM
 
-
-def mask(lengths: list[int], total: int, see_system: bool) -> torch.Tensor:
-    allowed = torch.tril(torch.ones(total, total, dtype=torch.bool))
-    start = 0
-    for number, length in enumerate(lengths):
-        end = start + length
-        allowed[start:end, :start] = False
-        if see_system and number:
-            allowed[start:end, : lengths[0]] = True
-        start = end
-    additive = torch.zeros(total, total)
-    additive[~allowed] = torch.finfo(torch.float32).min
-    return additive[None, None]
+from vllm_kvreuse.testing.reference import chunk_attention_mask
 
 
 @torch.no_grad()
@@ -69,9 +57,9 @@ def main() -> None:
         question = slice(sum(lengths), len(ids))
         full = question_logprobs(model, ids, None)[question]
         for mode, see_system in (("isolated", False), ("system", True)):
-            got = question_logprobs(model, ids, mask(lengths, len(ids), see_system))[
-                question
-            ]
+            got = question_logprobs(
+                model, ids, chunk_attention_mask(lengths, len(ids), see_system)
+            )[question]
             kl = torch.sum(full.exp() * (full - got), dim=-1).mean().item()
             agree = (full.argmax(-1) == got.argmax(-1)).float().mean().item()
             results[mode].append((kl, agree))

@@ -12,6 +12,7 @@ from vllm import LLM, SamplingParams
 
 from tests.integration.conftest import make_llm, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
+from vllm_kvreuse.testing.reference import chunk_attention_mask
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -67,24 +68,6 @@ def generate(llm: LLM, segments: list[list[int]], max_tokens: int = 6):
     return out
 
 
-def chunk_isolated_mask(
-    lengths: list[int], total: int, see_system: bool = False
-) -> torch.Tensor:
-    """Additive mask: chunk tokens see their own chunk (and, ``see_system``,
-    the first segment), the rest see all before."""
-    allowed = torch.tril(torch.ones(total, total, dtype=torch.bool))
-    start = 0
-    for number, length in enumerate(lengths):
-        end = start + length
-        allowed[start:end, :start] = False
-        if see_system and number:
-            allowed[start:end, : lengths[0]] = True
-        start = end
-    mask = torch.zeros(total, total)
-    mask[~allowed] = torch.finfo(torch.float32).min
-    return mask[None, None]
-
-
 @torch.no_grad()
 def hf_reference(model, segments: list[list[int]], steps: int, see_system=False):
     """Greedy tokens and first-step log-probs, chunk-isolated, actual positions."""
@@ -96,7 +79,7 @@ def hf_reference(model, segments: list[list[int]], steps: int, see_system=False)
         total = ids.shape[1]
         logits = model(
             input_ids=ids,
-            attention_mask=chunk_isolated_mask(lengths, total, see_system),
+            attention_mask=chunk_attention_mask(lengths, total, see_system),
             position_ids=torch.arange(total)[None],
         ).logits[0, -1]
         if first_logprobs is None:
