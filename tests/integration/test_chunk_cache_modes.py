@@ -49,3 +49,26 @@ def test_a_chunk_the_store_cannot_take_runs_as_an_ordinary_request(
         assert scheduler_of(llm).num_degraded_chunked_requests == 1
         assert index_of(llm).stats.refused >= 1
         assert num_free_blocks(llm) == free
+
+
+def test_chunks_demoted_to_the_cpu_tier_are_loaded_from_it(
+    model_dir: str,
+    hf_model,  # noqa: F811
+) -> None:
+    """A device tier of ~170 tokens: a third request's document comes back
+    from the CPU tier, where the second request's arrival demoted it."""
+    with chunk_cache_llm(model_dir, chunk_cache_cpu_gib=0.01) as llm:
+        index = index_of(llm)
+        # Shrink the device tier in place: the flag is a fraction of the KV
+        # pool, far more than a test's chunks.
+        index.capacity["device"] = 170 * index.bytes_per_token
+        doc_c = list(range(500, 570))
+        generate(llm, [SYSTEM, DOC_A, QUESTION])
+        generate(llm, [SYSTEM, doc_c, QUESTION])
+        assert index.bytes_in("cpu") == len(DOC_A) * index.bytes_per_token
+        segments = [SYSTEM, DOC_A, QUESTION]
+        expected, _ = hf_reference(hf_model, segments, steps=6)
+        hits = index.stats.hit_tokens
+        out = generate(llm, segments)
+        assert list(out.outputs[0].token_ids) == expected
+        assert index.stats.hit_tokens - hits == len(SYSTEM) + len(DOC_A)
