@@ -151,3 +151,19 @@ def test_admin_endpoint_pins_clears_and_reports(servers, tokenizer) -> None:
     assert admin(chunked)["chunks"] == 0
     bad = httpx.post(f"{chunked.url}/v1/kvreuse/chunk_cache/pin", json={}, timeout=30)
     assert bad.status_code in (400, 422)
+
+
+def test_streaming_and_parallel_samples_work_on_chunked_prompts(servers) -> None:
+    _, chunked = servers
+    body = {
+        "model": SERVED_MODEL, "prompt": rag_prompt([0, 1], "Stream?"),
+        "max_tokens": 4, "temperature": 0.0, "stream": True,
+    }  # fmt: skip
+    with httpx.stream(
+        "POST", f"{chunked.url}/v1/completions", json=body, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    many = complete(chunked, prompt=rag_prompt([1, 0], "Twice?"), n=2, temperature=0.8)
+    assert many.status_code == 200 and len(many.json()["choices"]) == 2
