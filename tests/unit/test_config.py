@@ -100,3 +100,27 @@ def test_engine_args_accept_keyword_settings() -> None:
     }
     with pytest.raises(ValueError, match="global_cache_hit_threshold"):
         AsyncEngineArgs(model="m", global_cache_hit_threshold=-1)
+
+
+def test_chunk_cache_flag_takes_the_kv_connector_slot() -> None:
+    from vllm.config import KVTransferConfig
+
+    args = _parse(["--enable-chunk-cache", "--chunk-attention", "system"])
+    assert args.kv_transfer_config.kv_connector == "KVReuseChunkConnector"
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY]["chunk_attention"] == "system"
+    assert _parse([]).kv_transfer_config is None
+    other = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    with pytest.raises(ValueError, match="already names 'NixlConnector'"):
+        EngineArgs(model="m", enable_chunk_cache=True, kv_transfer_config=other)
+
+
+@pytest.mark.parametrize(
+    ("flag", "bad"),
+    [("--chunk-attention", "mask"), ("--chunk-cache-hash", "md5"),
+     ("--chunk-separator", " "), ("--chunk-cache-cpu-gib", "-1")],
+)  # fmt: skip
+def test_bad_chunk_cache_flag_is_a_usage_error(flag: str, bad: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parse([flag, bad])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
