@@ -93,10 +93,7 @@ def rerotate_copy_ms_per_1k(model: str, repeats: int = 5) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for layer, kv in enumerate(caches):
-            ops.load_chunk(
-                kv, blocks, offsets, stored[layer, 0], stored[layer, 1], 1000, rope
-            )
+        ops.load_chunk(caches, blocks, offsets, stored[:, 0], stored[:, 1], 1000, rope)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 

@@ -10,9 +10,13 @@ times, over all layers (keys and values apart, one cache tensor per layer):
 - scatter only: ``cache_k[blocks, offsets] = keys`` (and values) into a
   paged view ``[num_blocks, block_size, H, D]`` of a ``[2, num_blocks,
   block_size, H, D]`` cache, slots drawn from shuffled blocks;
-- rotate + scatter: keys re-rotated by a position delta (neox RoPE, float32,
-  from a ``[max_pos, rotary_dim]`` float32 cos/sin cache), then scattered as
-  above.
+- rotate + scatter (v1): keys re-rotated by a position delta (neox RoPE,
+  float32, from a ``[max_pos, rotary_dim]`` float32 cos/sin cache) with a
+  position per token, layer by layer, then scattered as above (the first
+  version of ``ops.load_chunk``);
+- load_chunk (current): one cos/sin row for the whole chunk; on CUDA all
+  layers' keys rotated in one pass, on CPU layer by layer (as
+  ``ops.load_chunk`` does now), then scattered.
 
 It needs torch alone: the arithmetic mirrors ``vllm_kvreuse/ops.py``
 (``rerotate_keys`` -> vLLM's ``RotaryEmbedding.forward_static`` and
@@ -81,6 +85,18 @@ def rerotate_keys(
     return rotated.view(keys.shape)
 
 
+def rerotate_const(
+    keys: torch.Tensor, delta: int, cache: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """``ops.rerotate_keys`` now: one position for all of ``keys [..., H, D]``."""
+    cos, sin = cache[delta].chunk(2)
+    x = keys.to(torch.float32)
+    x1, x2 = torch.chunk(x[..., :rotary_dim], 2, dim=-1)
+    cos, sin = cos[None, None], sin[None, None]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
 def write_tokens(
     cache_k: torch.Tensor,
     cache_v: torch.Tensor,
@@ -102,6 +118,7 @@ class Case:
     src_v: list[torch.Tensor]
     dst_k: list[torch.Tensor]
     dst_v: list[torch.Tensor]
+    src_k_all: torch.Tensor  # [layers, n, H, D], as the chunk store keeps them
     caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, H, D]
     blocks: torch.Tensor
     offsets: torch.Tensor
@@ -127,6 +144,7 @@ def make_case(args: argparse.Namespace, tokens: int, device: torch.device) -> Ca
         src_v=[rand() for _ in layers],
         dst_k=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
         dst_v=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
+        src_k_all=torch.randn((args.layers, *shape), generator=gen).to(device, dtype),
         caches=[
             torch.zeros(
                 (2, num_blocks, args.block_size, args.kv_heads, args.head_size),
@@ -216,9 +234,23 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                     kv[0], kv[1], case.blocks, case.offsets, keys, case.src_v[layer]
                 )
 
+        def load_chunk_now(case: Case = case) -> None:
+            # ops.load_chunk: one rotation of all layers on CUDA, per layer on CPU.
+            keys_all = case.src_k_all
+            if device.type != "cpu":
+                keys_all = rerotate_const(keys_all, args.delta, cache, rd)
+            for layer, kv in enumerate(case.caches):
+                keys = keys_all[layer]
+                if device.type == "cpu":
+                    keys = rerotate_const(keys, args.delta, cache, rd)
+                write_tokens(
+                    kv[0], kv[1], case.blocks, case.offsets, keys, case.src_v[layer]
+                )
+
         t_copy = time_it(plain_copy, device, args.warmup, args.repeats)
         t_scatter = time_it(scatter, device, args.warmup, args.repeats)
         t_rot = time_it(rotate_scatter, device, args.warmup, args.repeats)
+        t_now = time_it(load_chunk_now, device, args.warmup, args.repeats)
         per_1k = 1024 / tokens * 1e6
         rows.append(
             {
@@ -232,6 +264,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                 "copy_us_1k": t_copy * per_1k,
                 "scatter_us_1k": t_scatter * per_1k,
                 "rot_us_1k": t_rot * per_1k,
+                "now_ratio": t_now / t_copy,
+                "now_us_1k": t_now * per_1k,
             }
         )
         del case
@@ -242,16 +276,18 @@ def markdown(rows: list[dict[str, float]]) -> str:
     header = (
         "| tokens | MB moved (K+V, all layers) | copy GB/s | scatter GB/s "
         "| rotate+scatter GB/s | scatter / copy | rotate+scatter / copy "
-        "| copy µs/1K tok | scatter µs/1K tok | rotate+scatter µs/1K tok |"
+        "| copy µs/1K tok | scatter µs/1K tok | rotate+scatter µs/1K tok "
+        "| load_chunk (current) / copy | load_chunk (current) µs/1K tok |"
     )
-    lines = [header, "|" + "---:|" * 10]
+    lines = [header, "|" + "---:|" * 12]
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['mb']:.1f} | {r['copy_gbs']:.1f} "
             f"| {r['scatter_gbs']:.1f} | {r['rot_gbs']:.1f} "
             f"| {r['scatter_ratio']:.1f}x | {r['rot_ratio']:.1f}x "
             f"| {r['copy_us_1k']:.0f} | {r['scatter_us_1k']:.0f} "
-            f"| {r['rot_us_1k']:.0f} |"
+            f"| {r['rot_us_1k']:.0f} | {r['now_ratio']:.1f}x "
+            f"| {r['now_us_1k']:.0f} |"
         )
     return "\n".join(lines)
 

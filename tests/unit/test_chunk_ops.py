@@ -31,7 +31,7 @@ def test_rerotated_keys_match_keys_computed_at_the_actual_positions(rope) -> Non
     raw = torch.randn(50, 2, rope.head_size)
     virtual = rotate(raw, torch.arange(50), rope)
     actual = rotate(raw, torch.arange(50) + 333, rope)
-    moved = ops.rerotate_keys(virtual, torch.full((50,), 333), rope)
+    moved = ops.rerotate_keys(virtual, 333, rope)
     # float32 cos/sin tables: agreement to float32 rounding of the angles
     torch.testing.assert_close(moved, actual, atol=1e-4, rtol=1e-4)
 

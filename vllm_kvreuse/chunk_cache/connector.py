@@ -436,13 +436,12 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
                 block_ids, piece.dst_start, piece.count, self.block_size
             )
             window = slice(piece.src_start, piece.src_start + piece.count)
-            for layer, kv in enumerate(self.layers):
-                ops.load_chunk(
-                    kv,
-                    blocks,
-                    offsets,
-                    stored[layer, 0, window],
-                    stored[layer, 1, window],
-                    piece.delta,
-                    self.rope,
-                )
+            ops.load_chunk(
+                self.layers,
+                blocks,
+                offsets,
+                stored[:, 0, window],
+                stored[:, 1, window],
+                piece.delta,
+                self.rope,
+            )
