@@ -220,3 +220,29 @@ def test_abort_while_waiting_for_chunks_frees_everything(llm, hf_model) -> None:
     expected, _ = hf_reference(hf_model, segments, steps=4)
     out = generate(llm, segments, max_tokens=4)
     assert list(out.outputs[0].token_ids) == expected
+
+
+def test_a_continuation_of_a_chunked_request_inherits_its_blocks(llm, hf_model) -> None:
+    """The child keeps the parent's chunks (same salt), so it inherits the
+    parent's blocks, and it answers as the chunk-isolated reference does with
+    the parent's output and the suffix appended to the question."""
+    segments = [SYSTEM, list(range(1300, 1360)), QUESTION]
+    token_ids, lengths = chunked_prompt(segments)
+    params = SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True,
+        extra_args={"kvreuse_chunks": lengths, "retain_kv": True},
+    )  # fmt: skip
+    (parent,) = llm.generate([{"prompt_token_ids": token_ids}], params)
+    suffix = [11, 12, 13]
+    child = llm.generate_continuation(
+        parent.request_id,
+        suffix,
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
+    parent_tokens = list(parent.outputs[0].token_ids)
+    question = QUESTION + parent_tokens + suffix
+    expected, _ = hf_reference(hf_model, [*segments[:-1], question], steps=4)
+    assert list(child.outputs[0].token_ids) == expected
+    inherited = len(token_ids) + len(parent_tokens) - 1  # all but its last token
+    assert child.num_cached_tokens >= inherited
+    llm.reset_prefix_cache()  # releases the retained parent

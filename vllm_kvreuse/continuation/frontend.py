@@ -23,6 +23,7 @@ from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse.chunk_cache import frontend as chunk_frontend
+from vllm_kvreuse.chunk_cache.params import CHUNKS
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import params
 from vllm_kvreuse.continuation.registry import (
@@ -71,6 +72,7 @@ def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
             retain_kv=params.wants_retention(extra),
             ttl=extra.get(params.RETAIN_KV_TTL),
             is_continuation=params.parent_of(extra) is not None,
+            chunk_lengths=extra.get(CHUNKS),
         )
         track(registry_of(self), state, record)
 
@@ -97,23 +99,34 @@ def on_final_output(request_state: Any, output: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Child:
-    """A resolved continuation: its prompt and the parent's engine request id."""
+    """A resolved continuation: its prompt and what its engine request carries."""
 
     prompt_token_ids: list[int]
     parent_engine_request_id: str
+    chunk_lengths: list[int] | None = None
+
+    @property
+    def extra_args(self) -> dict[str, Any]:
+        """Names the parent; a chunked parent's child keeps its chunks, so it
+        is hashed like the parent and inherits the parent's blocks."""
+        extra: dict[str, Any] = {params.PARENT: self.parent_engine_request_id}
+        if self.chunk_lengths:
+            extra[CHUNKS] = self.chunk_lengths
+        return extra
 
 
 def build_child(record: ParentRecord, suffix_token_ids: Sequence[int]) -> Child:
-    return Child(record.token_ids + list(suffix_token_ids), record.engine_request_id)
+    return Child(
+        record.token_ids + list(suffix_token_ids),
+        record.engine_request_id,
+        record.chunk_lengths,
+    )
 
 
 def with_parent(sampling_params: SamplingParams | None, child: Child) -> SamplingParams:
     """A copy of ``sampling_params`` that names ``child``'s parent."""
     params_ = (sampling_params or SamplingParams()).clone()
-    params_.extra_args = {
-        **(params_.extra_args or {}),
-        params.PARENT: child.parent_engine_request_id,
-    }
+    params_.extra_args = {**(params_.extra_args or {}), **child.extra_args}
     return params_
 
 
@@ -190,10 +203,7 @@ async def resolve_http(
             parameter="model",
         )
     child = build_child(record, suffix)
-    request.vllm_xargs = {
-        **(request.vllm_xargs or {}),
-        params.PARENT: child.parent_engine_request_id,
-    }
+    request.vllm_xargs = {**(request.vllm_xargs or {}), **child.extra_args}
     count_continuation("resolved", 0)
     return [tokens_input(child.prompt_token_ids, cache_salt=request.cache_salt)]
 

@@ -48,6 +48,8 @@ class ParentRecord:
     ttl: float | None
     """The request's own retain_kv_ttl; None means the server default."""
     is_continuation: bool = False
+    chunk_lengths: list[int] | None = None
+    """A chunked parent's chunk lengths: its children are chunked the same way."""
     output_token_ids: list[int] | None = None
     finish_reason: str | None = None
     finished_at: float | None = None
