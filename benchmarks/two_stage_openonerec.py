@@ -60,6 +60,7 @@ class ModeResult:
     wall: float = 0.0
     computed_total: float = 0.0
     preemptions: float = 0.0
+    engine_requests: float = 0.0  # finished engine requests plus beam forks
 
     @property
     def stage2_computed(self) -> float:
@@ -132,10 +133,9 @@ async def run_mode(server: Server, mode: str, args) -> ModeResult:
         base_url=server.url, timeout=600, limits=limits
     ) as client:
         (await client.post("/reset_prefix_cache")).raise_for_status()
-        computed0 = server.metric(
-            "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
-        )
+        computed0 = computed_tokens(server)
         preempt0 = server.metric("vllm:num_preemptions_total")
+        requests0 = engine_requests(server)
         semaphore = asyncio.Semaphore(args.concurrency)
 
         async def one(i: int) -> None:
@@ -162,14 +162,26 @@ async def run_mode(server: Server, mode: str, args) -> ModeResult:
         await asyncio.gather(*(one(i) for i in range(args.requests)))
         result.wall = time.perf_counter() - start
         await asyncio.sleep(1.5)  # let the last scheduler stats reach /metrics
-        result.computed_total = (
-            server.metric(
-                "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
-            )
-            - computed0
-        )
+        result.computed_total = computed_tokens(server) - computed0
         result.preemptions = server.metric("vllm:num_preemptions_total") - preempt0
+        result.engine_requests = engine_requests(server) - requests0
     return result
+
+
+def computed_tokens(server: Server) -> float:
+    """Prompt tokens computed so far: vLLM's count (requests the frontend
+    sees), plus those of beam requests run inside the engine."""
+    return server.metric(
+        "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
+    ) + server.metric("vllm_kvreuse:beam_computed_prompt_tokens_total")
+
+
+def engine_requests(server: Server) -> float:
+    """Engine requests so far: those the frontend saw finish, plus the beam
+    requests engine-side beam search spawned inside the engine."""
+    return server.metric("vllm:request_success_total") + server.metric(
+        "vllm_kvreuse:beam_forks_total"
+    )
 
 
 def stage2_prompt_tokens(results: dict[str, ModeResult], args) -> float:
@@ -189,7 +201,8 @@ def report(results: dict[str, ModeResult], args) -> None:
         f"stage-2 prompt {stage2_prompt_tokens(results, args):.0f} tokens on average"
     )
     columns = ("mode", "s1 TTFT p50", "p99", "s2 lat p50", "p99",
-               "s2 computed/prompt", "preempt", "wall s", "req/s")  # fmt: skip
+               "s2 computed/prompt", "s2 computed/call", "s2 engine req/call",
+               "preempt", "wall s", "req/s")  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for r in results.values():
@@ -203,11 +216,19 @@ def report(results: dict[str, ModeResult], args) -> None:
             else "-",
             f"{p99(r.stage2_latency) * 1e3:.0f} ms" if has_stage2 else "-",
             f"{r.stage2_computed / r.stage2_prompt_tokens:.2f}" if has_stage2 else "-",
+            f"{r.stage2_computed / args.requests:.0f}" if has_stage2 else "-",
+            f"{r.engine_requests / args.requests - 1:.0f}" if has_stage2 else "-",
             f"{r.preemptions:.0f}",
             f"{r.wall:.1f}",
             f"{args.requests / r.wall:.2f}",
         )
         print("| " + " | ".join(row) + " |")
+    ideal = len(args.suffix_ids) + 1 + args.beam_width * 2
+    print(
+        f"ideal stage-2 computed tokens per call: suffix + 1 + width x 2 steps "
+        f"= {ideal}; ideal engine requests: 1 + 2 x width = {1 + 2 * args.beam_width}"
+        " (front end and engine alike)"
+    )
     for ours in ("continuation", "engine_beam"):
         for base in ("text", "token_ids", "continuation"):
             if ours in results and base in results and base != ours:

@@ -77,7 +77,20 @@ def beam_copied_blocks() -> Counter:
     )
 
 
-def count_beam_group(num_forks: int, num_copied_blocks: int) -> None:
+@functools.cache
+def beam_computed_tokens() -> Counter:
+    return Counter(
+        PREFIX + "beam_computed_prompt_tokens",
+        "Prompt tokens computed by beam requests inside the engine (beyond the "
+        "root request, which vLLM's prompt-token metrics count); their outputs "
+        "never reach the frontend, so vLLM's metrics do not see them.",
+    )
+
+
+def count_beam_group(
+    num_forks: int, num_copied_blocks: int, num_member_computed_tokens: int
+) -> None:
     beam_groups().inc()
     beam_forks().inc(num_forks)
     beam_copied_blocks().inc(num_copied_blocks)
+    beam_computed_tokens().inc(num_member_computed_tokens)

@@ -64,11 +64,15 @@ def test_forks_and_usage_are_reported(servers) -> None:
     _, engine = servers
     before = engine.metric("vllm_kvreuse:beam_forks_total")
     groups = engine.metric("vllm_kvreuse:beam_groups_total")
+    computed = engine.metric("vllm_kvreuse:beam_computed_prompt_tokens_total")
     result = beams(engine, prompt(99, 70), width=4, max_tokens=3)
     assert result["usage"]["prompt_tokens_details"] is not None
     assert engine.metric("vllm_kvreuse:beam_groups_total") == groups + 1
-    # Steps 2 and 3 fork 4 beams each.
+    # Steps 2 and 3 fork 4 beams each; each beam computes its one new token.
     assert engine.metric("vllm_kvreuse:beam_forks_total") == before + 8
+    assert (
+        engine.metric("vllm_kvreuse:beam_computed_prompt_tokens_total") == computed + 8
+    )
 
 
 def test_width_over_max_logprobs_is_400(servers) -> None:

@@ -91,7 +91,9 @@ def beam_output(
     beams = result.get(RESULT_KEY)
     if beams is None:  # rejected or aborted: pass the engine's answer on
         return final
-    count_beam_group(result["forks"], result["copied_blocks"])
+    count_beam_group(
+        result["forks"], result["copied_blocks"], result["member_computed_tokens"]
+    )
     eos = tokenizer.eos_token_id
     outputs = []
     for index, beam in enumerate(beams):
@@ -185,7 +187,9 @@ def offline_beam_output(
             ]
         )
     result = final.kv_transfer_params or {}
-    count_beam_group(result["forks"], result["copied_blocks"])
+    count_beam_group(
+        result["forks"], result["copied_blocks"], result["member_computed_tokens"]
+    )
     sequences = []
     for beam in beams:
         tokens = prompt_ids + beam["token_ids"]

@@ -67,6 +67,9 @@ class BeamGroup:
     prefill_stats: Any = None
     num_forks: int = 0
     num_copied_blocks: int = 0
+    # Prompt tokens the beams computed. Their outputs never reach the
+    # frontend, so vLLM's own prompt-token metrics do not see them.
+    num_member_computed_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -215,6 +218,8 @@ class BeamSearchMixin(ContinuationMixin):
             return True
         if is_root:
             group.prefill_stats = out.prefill_stats
+        elif out.prefill_stats is not None:
+            group.num_member_computed_tokens += out.prefill_stats.num_computed_tokens
         logprobs = out.new_logprobs
         group.results[out.request_id] = logprob_row(
             logprobs.logprob_token_ids[0].tolist(),
@@ -303,6 +308,7 @@ class BeamSearchMixin(ContinuationMixin):
                 ],
                 "forks": group.num_forks,
                 "copied_blocks": group.num_copied_blocks,
+                "member_computed_tokens": group.num_member_computed_tokens,
             }
         out = EngineCoreOutput(
             request_id=group.root.request_id,
