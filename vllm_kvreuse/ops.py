@@ -88,7 +88,9 @@ def paged_kv(
     )
 
 
-def slots_of(block_ids: torch.Tensor, start: int, count: int, block_size: int):
+def slots_of(
+    block_ids: torch.Tensor, start: int, count: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(block index, offset) tensors of ``count`` tokens from position ``start``.
 
     ``block_ids`` lists a request's blocks in order; position ``p`` lives in

@@ -60,7 +60,9 @@ class Step:
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
-def logprob_row(token_ids: Sequence[int], logprobs: Sequence[float], width: int):
+def logprob_row(
+    token_ids: Sequence[int], logprobs: Sequence[float], width: int
+) -> dict[int, float]:
     """The (token, logprob) pairs the front end sees for one position."""
     row: dict[int, float] = {}
     n = 2 * width + 1
