@@ -19,9 +19,10 @@ times, over all layers (keys and values apart, one cache tensor per layer):
   ``ops.load_chunk`` does now), then scattered.
 
 It needs torch alone: the arithmetic mirrors ``vllm_kvreuse/ops.py``
-(``rerotate_keys`` -> vLLM's ``RotaryEmbedding.forward_static`` and
-``ApplyRotaryEmb.forward_static``; ``write_tokens``; ``load_chunk``) op for op,
-re-implemented here so that it runs where vLLM is not installed.
+(``rerotate_keys`` -> vLLM's ``ApplyRotaryEmb.forward_static``;
+``write_tokens``; ``load_chunk``) op for op, re-implemented here so that it
+runs where vLLM is not installed. The v1 variant mirrors the first version of
+``ops`` (a position per token through ``RotaryEmbedding.forward_static``).
 
     python benchmarks/rerotate_copy_micro.py --device cuda --dtype float16
     .venv/bin/python benchmarks/rerotate_copy_micro.py --device cpu
@@ -67,7 +68,7 @@ def rerotate_keys(
 ) -> torch.Tensor:
     """Keys ``[n, H, D]`` moved by ``delta[i]`` positions each, in float32.
 
-    ``ops.rerotate_keys`` with vLLM's ``forward_static`` inlined (neox style).
+    The first ``ops.rerotate_keys``: vLLM's ``forward_static`` inlined (neox).
     """
     num_tokens = keys.shape[0]
     flat = keys.reshape(num_tokens, -1).to(torch.float32)
