@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 from vllm import LLM
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -37,3 +39,14 @@ def no_leak(request) -> Iterator[None]:
     yield
     after = [num_free_blocks(llm) for llm in engines]
     assert after == before, "KV blocks leaked by this test"
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: str) -> Any:
+    """The tiny model in Hugging Face transformers, float32, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()

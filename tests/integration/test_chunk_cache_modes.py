@@ -6,22 +6,21 @@ from __future__ import annotations
 from vllm import SamplingParams
 
 from tests.conftest import BLOCK_SIZE
-from tests.integration.conftest import num_free_blocks, scheduler_of
-from tests.integration.test_chunk_cache_engine import (
+from tests.integration.chunks import (
     DOC_A,
     DOC_B,
     QUESTION,
     SYSTEM,
     chunk_cache_llm,
     generate,
-    hf_model,  # noqa: F401 - fixture
     hf_reference,
     index_of,
 )
+from tests.integration.conftest import num_free_blocks, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 
 
-def test_system_mode_matches_the_hf_reference(model_dir: str, hf_model) -> None:  # noqa: F811
+def test_system_mode_matches_the_hf_reference(model_dir: str, hf_model) -> None:
     """Chunks computed after the system prompt (virtual positions from its
     length), reused after the same system prompt in another order."""
     with chunk_cache_llm(model_dir, chunk_attention="system") as llm:
@@ -53,7 +52,7 @@ def test_a_chunk_the_store_cannot_take_runs_as_an_ordinary_request(
 
 def test_chunks_demoted_to_the_cpu_tier_are_loaded_from_it(
     model_dir: str,
-    hf_model,  # noqa: F811
+    hf_model,
 ) -> None:
     """A device tier of ~170 tokens: a third request's document comes back
     from the CPU tier, where the second request's arrival demoted it."""

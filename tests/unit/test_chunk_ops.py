@@ -127,5 +127,7 @@ def test_pinned_or_oversized_chunks_are_refused_without_changes() -> None:
     assert not store.reserve(b"c", 60)  # larger than the tier
     assert store.get(b"a") is not None and not store.take_ops()
     assert store.stats.refused == 2
+    assert store.num_pinned == 1 and store.stored_tokens == 40
     store.unpin(b"a")
+    assert store.num_pinned == 0
     assert store.clear() == 1 and store.bytes_in("device") == 0

@@ -83,17 +83,25 @@ def root_sampling_params(
     )
 
 
+def take_beams(final: RequestOutput) -> list[dict[str, Any]] | None:
+    """The engine's best beams from the root's final output, counted in
+    /metrics; None when the engine turned the search back (threshold, abort)."""
+    result = final.kv_transfer_params or {}
+    beams = result.get(RESULT_KEY)
+    if beams is not None:
+        count_beam_group(
+            result["forks"], result["copied_blocks"], result["member_computed_tokens"]
+        )
+    return beams
+
+
 def beam_output(
     final: RequestOutput, prompt: Any, params: BeamSearchParams, tokenizer: Any
 ) -> RequestOutput:
     """The front-end loop's ``RequestOutput`` from the engine's beams."""
-    result = final.kv_transfer_params or {}
-    beams = result.get(RESULT_KEY)
+    beams = take_beams(final)
     if beams is None:  # rejected or aborted: pass the engine's answer on
         return final
-    count_beam_group(
-        result["forks"], result["copied_blocks"], result["member_computed_tokens"]
-    )
     eos = tokenizer.eos_token_id
     outputs = []
     for index, beam in enumerate(beams):
@@ -172,7 +180,7 @@ def offline_beam_output(
     the engine's finish reason.
     """
     prompt_ids = list(final.prompt_token_ids or [])
-    beams = (final.kv_transfer_params or {}).get(RESULT_KEY)
+    beams = take_beams(final)
     if beams is None:
         engine_out = final.outputs[0]
         return BeamSearchOutput(
@@ -186,10 +194,6 @@ def offline_beam_output(
                 )
             ]
         )
-    result = final.kv_transfer_params or {}
-    count_beam_group(
-        result["forks"], result["copied_blocks"], result["member_computed_tokens"]
-    )
     sequences = []
     for beam in beams:
         tokens = prompt_ids + beam["token_ids"]

@@ -167,14 +167,15 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         self._cancelled: list[str] = []
 
     def snapshot(self) -> dict[str, int]:
-        """Totals of the counters and current gauges of the store."""
+        """Totals of the counters and current gauges of the store (O(1): it
+        runs after every step)."""
         index = self.index
         stats = index.stats
         return {
             **{name: getattr(stats, name) for name in COUNTERS},
             "chunks": len(index.entries),
-            "stored_tokens": sum(e.num_tokens for e in index.entries.values()),
-            "pinned": sum(1 for e in index.entries.values() if e.pins),
+            "stored_tokens": index.stored_tokens,
+            "pinned": index.num_pinned,
             "device_bytes": index.bytes_in("device"),
             "cpu_bytes": index.bytes_in("cpu"),
         }

@@ -98,18 +98,13 @@ class ChunkCacheMixin(Scheduler):
             )
             super().add_request(request)
             return
-        plan, fills = planned
+        plan, fills, uncached = planned
         for fill in fills:
             self._add_fill(fill)
         request.cache_salt = chunked_salt(request.cache_salt, self._chunk_mode, lengths)
         request.block_hashes = []
         request.update_block_hashes()
         self._chunks.add_plan(request.request_id, plan)
-        uncached = sum(
-            chunk.length
-            for chunk in plan.chunks
-            if not self._chunks.index.get(chunk.key).ready  # type: ignore[union-attr]
-        )
         if uncached:
             self._uncached[request.request_id] = uncached
         super().add_request(request)
@@ -155,40 +150,17 @@ class ChunkCacheMixin(Scheduler):
         plan = self._chunks.plans.get(request.request_id) if self._chunks else None
         if plan is None or plan.pinned:
             return
-        assert self._chunks is not None
-        index = self._chunks.index
-        prompt = request.prompt_token_ids or []
-        pinned: list[bytes] = []
-        fills: list[Fill] = []
-        for chunk in plan.chunks:
-            if index.get(chunk.key) is not None:
-                index.pin(chunk.key)
-                pinned.append(chunk.key)
-                continue
-            if not index.reserve(chunk.key, chunk.length):
-                # No room to compute it again: run on as an ordinary request
-                # (it owns no blocks now, so its hashes can change).
-                for key in pinned:
-                    index.unpin(key)
-                for fill in fills:
-                    index.drop(fill.key)
-                self._chunks.plans.pop(request.request_id, None)
-                request.cache_salt = plan.user_salt
-                request.block_hashes = []
-                request.update_block_hashes()
-                self.num_degraded_chunked_requests += 1
-                return
-            context = prompt[: chunk.virtual_start]
-            tokens = prompt[chunk.start : chunk.start + chunk.length]
-            fills.append(
-                self._fill(
-                    request,
-                    chunk.key,
-                    [*context, *tokens],
-                    len(context),
-                    plan.user_salt,
-                )
-            )
+        fills = self._hold_chunks(request, plan.chunks, plan.user_salt)
+        if fills is None:
+            # No room to compute them again: run on as an ordinary request
+            # (it owns no blocks now, so its hashes can change).
+            assert self._chunks is not None
+            self._chunks.plans.pop(request.request_id, None)
+            request.cache_salt = plan.user_salt
+            request.block_hashes = []
+            request.update_block_hashes()
+            self.num_degraded_chunked_requests += 1
+            return
         plan.pinned = True
         for fill in fills:
             self._add_fill(fill)
@@ -221,44 +193,74 @@ class ChunkCacheMixin(Scheduler):
 
     def _plan(
         self, request: Request, lengths: list[int]
-    ) -> tuple[ChunkPlan, list[Fill]] | None:
-        """Keys, pins and reservations for ``request``; None if it cannot fit."""
+    ) -> tuple[ChunkPlan, list[Fill], int] | None:
+        """Keys, pins and reservations for ``request``: its plan, the fills it
+        needs, and how many of its chunk tokens were not stored yet. None,
+        holding nothing, if the store cannot take a missing chunk."""
         assert self._chunks is not None
         index = self._chunks.index
         prompt = request.prompt_token_ids or []
         system = prompt[: lengths[0]] if self._chunk_mode == "system" else []
         salt = self._key_salt(request.cache_salt, request.lora_request)
         chunks: list[PlannedChunk] = []
-        fills: list[Fill] = []
         start = 0
         for number, length in enumerate(lengths):
-            tokens = prompt[start : start + length]
             context = system if number else []
+            tokens = prompt[start : start + length]
             key = chunk_key(
                 self._chunk_hasher, self._chunk_identity, salt, context, tokens
             )
             chunks.append(PlannedChunk(key, start, length, virtual_start=len(context)))
             start += length
-            if index.get(key) is not None:
-                index.pin(key)
-                if index.get(key).ready:  # type: ignore[union-attr]
-                    index.stats.hits += 1
-                    index.stats.hit_tokens += length
-                continue
-            if not index.reserve(key, length):
-                for chunk in chunks[:-1]:
-                    index.unpin(chunk.key)
+        stored = [
+            chunk.length
+            for chunk in chunks
+            if (entry := index.get(chunk.key)) is not None and entry.ready
+        ]
+        fills = self._hold_chunks(request, chunks, request.cache_salt)
+        if fills is None:
+            return None
+        index.stats.hits += len(stored)
+        index.stats.hit_tokens += sum(stored)
+        index.stats.misses += len(fills)
+        index.stats.miss_tokens += sum(fill.length for fill in fills)
+        plan = ChunkPlan(chunks, user_salt=request.cache_salt)
+        return plan, fills, plan.end - sum(stored)
+
+    def _hold_chunks(
+        self, request: Request, chunks: list[PlannedChunk], fill_salt: str | None
+    ) -> list[Fill] | None:
+        """Pins each chunk stored or being filled; reserves room for the others
+        and returns their fills (not yet added). None, holding nothing, if the
+        store cannot take one of them."""
+        assert self._chunks is not None
+        index = self._chunks.index
+        prompt = request.prompt_token_ids or []
+        pinned: list[bytes] = []
+        fills: list[Fill] = []
+        for chunk in chunks:
+            if index.get(chunk.key) is not None:
+                index.pin(chunk.key)
+                pinned.append(chunk.key)
+            elif index.reserve(chunk.key, chunk.length):
+                context = prompt[: chunk.virtual_start]
+                tokens = prompt[chunk.start : chunk.start + chunk.length]
+                fills.append(
+                    self._fill(
+                        request,
+                        chunk.key,
+                        [*context, *tokens],
+                        len(context),
+                        fill_salt,
+                    )
+                )
+            else:
+                for key in pinned:
+                    index.unpin(key)
                 for fill in fills:
                     index.drop(fill.key)
                 return None
-            index.stats.misses += 1
-            index.stats.miss_tokens += length
-            fills.append(
-                self._fill(
-                    request, key, [*context, *tokens], len(context), request.cache_salt
-                )
-            )
-        return ChunkPlan(chunks, user_salt=request.cache_salt), fills
+        return fills
 
     @staticmethod
     def _key_salt(cache_salt: str | None, lora_request: Any) -> str:

@@ -63,6 +63,7 @@ class ChunkIndex:
     used: dict[Tier, int] = field(default_factory=lambda: {"device": 0, "cpu": 0})
     pending_ops: list[StoreOp] = field(default_factory=list)
     stats: StoreStats = field(default_factory=StoreStats)
+    num_pinned: int = 0  # entries with pins > 0, kept as pins change
 
     def get(self, key: ChunkKey) -> Entry | None:
         return self.entries.get(key)
@@ -71,13 +72,20 @@ class ChunkIndex:
         self.entries.move_to_end(key)
 
     def pin(self, key: ChunkKey) -> None:
-        self.entries[key].pins += 1
+        entry = self.entries[key]
+        self.num_pinned += entry.pins == 0
+        entry.pins += 1
         self.touch(key)
 
     def unpin(self, key: ChunkKey) -> None:
         entry = self.entries.get(key)
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
+            self.num_pinned -= entry.pins == 0
+
+    @property
+    def stored_tokens(self) -> int:
+        return (self.used["device"] + self.used["cpu"]) // self.bytes_per_token
 
     def reserve(self, key: ChunkKey, num_tokens: int) -> bool:
         """Makes room on the device tier and adds ``key`` (pinned, not ready).
@@ -91,6 +99,7 @@ class ChunkIndex:
             self.stats.refused += 1
             return False
         self.entries[key] = Entry(num_tokens=num_tokens, nbytes=nbytes, pins=1)
+        self.num_pinned += 1
         self.used["device"] += nbytes
         return True
 
@@ -101,6 +110,7 @@ class ChunkIndex:
         """Forgets ``key`` (a fill that did not complete); workers evict it."""
         entry = self.entries.pop(key, None)
         if entry is not None:
+            self.num_pinned -= entry.pins > 0
             self.used[entry.tier] -= entry.nbytes
             self.pending_ops.append(StoreOp("evict", key))
 
