@@ -10,11 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import model_validator
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse.admission import frontend as admission
+from vllm_kvreuse.chunk_cache import frontend as chunks
 from vllm_kvreuse.continuation import frontend as continuation
+
+PROMPTLESS_FIELDS = (continuation.CONTINUATION_OF, chunks.BODY_FIELD)
+"""Body fields that stand in for ``prompt`` on /v1/completions."""
 
 
 def validate_extra_args(extra_args: dict[str, Any]) -> None:
@@ -67,3 +72,37 @@ def wrap_new_completion_output(original: Callable[..., Any]) -> Callable[..., An
         return output
 
     return _new_completion_output
+
+
+def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A continuation, then a chunked prompt, may render the request; else vLLM."""
+
+    async def render_completion_request(self: Any, request: Any) -> Any:
+        given = request.prompt not in (None, "", [])
+        result = await continuation.render_continuation(self, request, given)
+        if result is None:
+            result = await chunks.render_chunked(self, request)
+        return result if result is not None else await original(self, request)
+
+    return render_completion_request
+
+
+def promptless_completion_request(original: type) -> type:
+    """``CompletionRequest`` that accepts a body whose prompt comes from
+    ``continuation_of`` or ``chunks``; the renderers above check it."""
+
+    class CompletionRequest(original):  # type: ignore[misc, valid-type]
+        __doc__ = original.__doc__
+        __module__ = original.__module__
+        __qualname__ = original.__qualname__
+
+        @model_validator(mode="before")
+        @classmethod
+        def validate_prompt_and_prompt_embeds(cls, data: Any) -> Any:
+            if isinstance(data, dict) and any(
+                data.get(name) is not None for name in PROMPTLESS_FIELDS
+            ):
+                return data
+            return original.validate_prompt_and_prompt_embeds(data)
+
+    return CompletionRequest

@@ -265,32 +265,34 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         target="vllm.entrypoints.openai.completion.protocol:CompletionRequest",
-        wrapper="vllm_kvreuse.continuation.frontend:continuable_completion_request",
+        wrapper="vllm_kvreuse.frontend:promptless_completion_request",
         kind="subclass",
         signature="sha256:1eb0754396b7f3d5",
         why="The request model refuses a body without a prompt, but a "
-        "continuation may leave it out.",
+        "continuation, or a chunked prompt sent as `chunks`, leaves it out.",
         how="A subclass overrides the validator validate_prompt_and_prompt_embeds "
-        "to let a body with continuation_of through, and otherwise calls the "
-        "original. The API server builds its routes after plugins load, so "
-        "they see the subclass.",
-        remove_when="vLLM gains continuation requests.",
+        "to let a body with continuation_of or chunks through, and otherwise "
+        "calls the original. The API server builds its routes after plugins "
+        "load, so they see the subclass.",
+        remove_when="vLLM gains continuation requests and segmented prompts.",
     ),
     Patch(
         target="vllm.entrypoints.openai.completion.serving:"
         "OpenAIServingCompletion.render_completion_request",
-        wrapper="vllm_kvreuse.continuation.frontend:wrap_render_completion_request",
+        wrapper="vllm_kvreuse.frontend:wrap_render_completion_request",
         kind="function",
         signature="(self, request: vllm.entrypoints.openai.completion.protocol."
         "CompletionRequest) -> list[vllm.inputs.engine.TokensInput | "
         "vllm.inputs.engine.EmbedsInput | vllm.inputs.engine.MultiModalInput | "
         "vllm.inputs.engine.EncoderDecoderInput] | "
         "vllm.entrypoints.serve.engine.protocol.ErrorResponse",
-        why="A body with continuation_of has no prompt of its own: its prompt "
-        "is the parent's tokens plus a suffix.",
+        why="A body with continuation_of has no prompt of its own (the "
+        "parent's tokens plus a suffix), and a chunked prompt must be "
+        "tokenised segment by segment.",
         how="For such a body, returns the token-id engine input built from the "
-        "parent record (or a 404/400 error object); otherwise calls the original.",
-        remove_when="vLLM gains continuation requests.",
+        "parent record or from the segments (or a 404/400 error object); "
+        "otherwise calls the original.",
+        remove_when="vLLM gains continuation requests and segmented prompts.",
     ),
     Patch(
         target="vllm.entrypoints.openai.chat_completion.serving:"

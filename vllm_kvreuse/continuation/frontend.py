@@ -17,12 +17,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import model_validator
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import SamplingParams
 
-from vllm_kvreuse.chunk_cache import frontend as chunk_frontend
 from vllm_kvreuse.chunk_cache.params import CHUNKS
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import params
@@ -260,19 +258,6 @@ async def render_continuation(
     return await serving._check_model(request) or inputs
 
 
-def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    async def render_completion_request(self: Any, request: Any) -> Any:
-        given = request.prompt not in (None, "", [])
-        result = await render_continuation(self, request, prompt_given=given)
-        if result is None:
-            result = await chunk_frontend.render_chunked(self, request)
-        if result is None:
-            return await original(self, request)
-        return result
-
-    return render_completion_request
-
-
 def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
     async def render_chat_request(self: Any, request: Any) -> Any:
         given = bool(request.messages)
@@ -283,27 +268,6 @@ def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]
         return ([], result) if isinstance(result, list) else result
 
     return render_chat_request
-
-
-def continuable_completion_request(original: type) -> type:
-    """``CompletionRequest`` that accepts a continuation without a prompt."""
-
-    class CompletionRequest(original):  # type: ignore[misc, valid-type]
-        __doc__ = original.__doc__
-        __module__ = original.__module__
-        __qualname__ = original.__qualname__
-
-        @model_validator(mode="before")
-        @classmethod
-        def validate_prompt_and_prompt_embeds(cls, data: Any) -> Any:
-            if isinstance(data, dict) and (
-                data.get(CONTINUATION_OF) is not None
-                or data.get(chunk_frontend.BODY_FIELD) is not None
-            ):
-                return data  # resolve_http / render_chunked check the prompt
-            return original.validate_prompt_and_prompt_embeds(data)
-
-    return CompletionRequest
 
 
 # -- Python API ----------------------------------------------------------------
