@@ -73,8 +73,9 @@ def rerotate_copy_ms_per_1k(model: str, repeats: int = 5) -> float:
     import torch
     from vllm.config import ModelConfig, VllmConfig
 
-    from vllm_kvreuse import ops
     from vllm_kvreuse.chunk_cache.rope import model_rope
+    from vllm_kvreuse.device.layouts import cpu_attn_views
+    from vllm_kvreuse.device.torch_ops import TorchOps
 
     config = ModelConfig(model, max_model_len=4096)
     rope = model_rope(VllmConfig(model_config=config))
@@ -82,18 +83,18 @@ def rerotate_copy_ms_per_1k(model: str, repeats: int = 5) -> float:
     heads, layers = text.num_key_value_heads, text.num_hidden_layers
     tokens, block = 1024, 32
     caches = [
-        ops.paged_kv(
-            torch.zeros(tokens // block, heads, block, 2 * rope.head_size),
-            "CPU_ATTN", block, "vec",
+        cpu_attn_views(
+            torch.zeros(tokens // block, heads, block, 2 * rope.head_size), block, "vec"
         )
         for _ in range(layers)
-    ]  # fmt: skip
+    ]
+    ops = TorchOps(caches, rope)
     stored = torch.randn(layers, 2, tokens, heads, rope.head_size)
-    blocks, offsets = ops.slots_of(torch.arange(tokens // block), 0, tokens, block)
+    block_ids = torch.arange(tokens // block)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        ops.load_chunk(caches, blocks, offsets, stored[:, 0], stored[:, 1], 1000, rope)
+        ops.load_chunk(block_ids, 0, stored, 0, tokens, 1000)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 

@@ -8,18 +8,25 @@ from vllm import _custom_ops as vllm_ops
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
-from vllm_kvreuse import ops
 from vllm_kvreuse.chunk_cache.rope import UnsupportedModel, model_rope
 from vllm_kvreuse.chunk_cache.store import ChunkIndex
+from vllm_kvreuse.device import Rope, UnsupportedKVLayout
+from vllm_kvreuse.device.layouts import cpu_attn_views
+from vllm_kvreuse.device.torch_ops import (
+    read_tokens,
+    rerotate_keys,
+    slots_of,
+    write_tokens,
+)
 
 
 @pytest.fixture(scope="module")
-def rope(model_dir: str) -> ops.Rope:
+def rope(model_dir: str) -> Rope:
     config = VllmConfig(model_config=ModelConfig(model_dir, max_model_len=1024))
     return model_rope(config)
 
 
-def rotate(keys: torch.Tensor, positions: torch.Tensor, rope: ops.Rope):
+def rotate(keys: torch.Tensor, positions: torch.Tensor, rope: Rope):
     _, rotated = RotaryEmbedding.forward_static(
         positions, keys.reshape(len(keys), -1).clone(), keys.reshape(len(keys), -1),
         rope.head_size, rope.rotary_dim, rope.cos_sin_cache, rope.is_neox_style,
@@ -31,7 +38,7 @@ def test_rerotated_keys_match_keys_computed_at_the_actual_positions(rope) -> Non
     raw = torch.randn(50, 2, rope.head_size)
     virtual = rotate(raw, torch.arange(50), rope)
     actual = rotate(raw, torch.arange(50) + 333, rope)
-    moved = ops.rerotate_keys(virtual, 333, rope)
+    moved = rerotate_keys(virtual, 333, rope)
     # float32 cos/sin tables: agreement to float32 rounding of the angles
     torch.testing.assert_close(moved, actual, atol=1e-4, rtol=1e-4)
 
@@ -69,23 +76,22 @@ def test_cpu_layout_matches_vllms_own_cache_writer(dtype) -> None:
         keys, values, key_cache, value_cache, torch.arange(10, 50), "vec",
         k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
     )  # fmt: skip
-    block_ids, offsets = ops.slots_of(torch.arange(blocks), 10, 40, block_size)
-    read_keys, read_values = ops.read_tokens(
-        ops.paged_kv(cache, "CPU_ATTN", block_size, "vec"), block_ids, offsets
+    block_ids, offsets = slots_of(torch.arange(blocks), 10, 40, block_size)
+    read_keys, read_values = read_tokens(
+        cpu_attn_views(cache, block_size, "vec"), block_ids, offsets
     )
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
     ours = torch.zeros_like(cache)
-    ops.write_tokens(
-        ops.paged_kv(ours, "CPU_ATTN", block_size, "vec"), block_ids, offsets, keys,
-        values,
-    )  # fmt: skip
+    write_tokens(
+        cpu_attn_views(ours, block_size, "vec"), block_ids, offsets, keys, values
+    )
     assert torch.equal(ours, cache)
 
 
 def test_packed_layouts_are_refused() -> None:
     cache = torch.zeros(2, 2, 32, 128, dtype=torch.bfloat16)
-    with pytest.raises(ops.UnsupportedKVLayout, match="amx"):
-        ops.paged_kv(cache, "CPU_ATTN", 32, "amx")
+    with pytest.raises(UnsupportedKVLayout, match="amx"):
+        cpu_attn_views(cache, 32, "amx")
 
 
 def index(device_tokens: int, cpu_tokens: int = 0) -> ChunkIndex:

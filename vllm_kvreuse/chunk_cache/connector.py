@@ -7,7 +7,7 @@ vLLM builds one instance per role:
   the tokens a request's chunks cover, and each step packs the workers'
   work into :class:`ChunkMeta`: store decisions, fills to save, loads.
 - **Worker side**: holds the stored chunk tensors and does the work with
-  :mod:`vllm_kvreuse.ops` (read, re-rotate, write).
+  :mod:`vllm_kvreuse.device` (read, re-rotate, write).
 
 Data flow: :class:`~vllm_kvreuse.chunk_cache.scheduler.ChunkCacheMixin`
 registers plans and fills → this connector → workers. Nothing flows back but
@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from vllm_kvreuse import ops
+from vllm_kvreuse import device
 from vllm_kvreuse.chunk_cache.keys import ChunkKey
 from vllm_kvreuse.chunk_cache.stats import (
     COUNTERS,
@@ -342,35 +342,18 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------
 
     def _init_worker(self) -> None:
-        self.layers: list[ops.PagedKV] = []
+        self.ops: device.DeviceOps | None = None
         self.stored: dict[ChunkKey, torch.Tensor] = {}  # [layers, 2, n, H, D]
         self.waiting: list[LoadSpec] = []
         self.received: set[str] = set()
-        self.rope: ops.Rope | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm_kvreuse.chunk_cache.rope import model_rope
 
         context = self._vllm_config.compilation_config.static_forward_context
-        self.layers = [
-            self._paged_kv(context[name], cache) for name, cache in kv_caches.items()
-        ]
-        self.rope = model_rope(self._vllm_config)
-
-    @property
-    def _device(self) -> torch.device:
-        return self.layers[0].keys.device
-
-    def _paged_kv(self, layer: Any, cache: torch.Tensor) -> ops.PagedKV:
-        backend = layer.attn_backend.get_name()
-        isa = None
-        if backend == "CPU_ATTN":
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            isa = _get_attn_isa(
-                cache.dtype, self.block_size, layer.head_size, layer.kv_cache_dtype
-            )
-        return ops.paged_kv(cache, backend, self.block_size, isa)
+        self.ops = device.build_ops(
+            kv_caches, context, self.block_size, model_rope(self._vllm_config)
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -420,29 +403,25 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         received, self.received = self.received, set()
         return None, received or None
 
+    def _block_table(self, block_ids: list[int]) -> torch.Tensor:
+        assert self.ops is not None
+        return torch.tensor(block_ids, device=self.ops.device)
+
     def _save(self, save: SaveSpec) -> None:
-        block_ids = torch.tensor(save.block_ids, device=self._device)
-        blocks, offsets = ops.slots_of(
-            block_ids, save.start, save.length, self.block_size
+        assert self.ops is not None
+        self.stored[save.key] = self.ops.save_chunk(
+            self._block_table(save.block_ids), save.start, save.length
         )
-        per_layer = [ops.read_tokens(kv, blocks, offsets) for kv in self.layers]
-        self.stored[save.key] = torch.stack([torch.stack(pair) for pair in per_layer])
 
     def _load(self, load: LoadSpec) -> None:
-        assert self.rope is not None
-        block_ids = torch.tensor(load.block_ids, device=self._device)
+        assert self.ops is not None
+        block_ids = self._block_table(load.block_ids)
         for piece in load.pieces:
-            stored = self.stored[piece.key]
-            blocks, offsets = ops.slots_of(
-                block_ids, piece.dst_start, piece.count, self.block_size
-            )
-            window = slice(piece.src_start, piece.src_start + piece.count)
-            ops.load_chunk(
-                self.layers,
-                blocks,
-                offsets,
-                stored[:, 0, window],
-                stored[:, 1, window],
+            self.ops.load_chunk(
+                block_ids,
+                piece.dst_start,
+                self.stored[piece.key],
+                piece.src_start,
+                piece.count,
                 piece.delta,
-                self.rope,
             )

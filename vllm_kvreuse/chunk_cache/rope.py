@@ -23,7 +23,7 @@ from vllm.model_executor.layers.rotary_embedding.llama3_rope import (
     Llama3RotaryEmbedding,
 )
 
-from vllm_kvreuse.ops import Rope
+from vllm_kvreuse.device.base import Rope
 
 EXACT_ROPES = (RotaryEmbedding, LinearScalingRotaryEmbedding, Llama3RotaryEmbedding)
 """Rotary embeddings whose angle is linear in the position (type equality)."""

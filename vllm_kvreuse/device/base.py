@@ -1,0 +1,114 @@
+"""The device-ops interface: what the chunk cache may do to paged KV memory.
+
+Everything in vllm-kvreuse that reads or writes a KV tensor goes through a
+:class:`DeviceOps` built once per worker, when vLLM registers its KV caches
+(:func:`vllm_kvreuse.device.build_ops`). Callers pass block ids and token
+positions; they never index a KV tensor themselves and never branch on the
+device type.
+
+Conventions (shared by every implementation):
+- One layer's KV is addressed through :class:`PagedKV`: ``keys`` and
+  ``values`` are ``[num_blocks, block_size, num_kv_heads, head_size]`` views
+  (or tensors) whose storage *is* the cache: writing them writes the cache.
+- A request's position ``p`` lives in block ``block_ids[p // block_size]``
+  at offset ``p % block_size`` (vLLM's slot mapping).
+- Keys in the cache are stored after RoPE; values carry no position.
+- A stored chunk is one tensor ``[num_layers, 2, num_tokens, H, D]`` (keys,
+  then values), in the cache's dtype, on the device the store chose.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class UnsupportedKVLayout(ValueError):
+    """The attention backend stores KV in a layout these ops cannot address."""
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """Token-addressable views of one layer's paged KV cache.
+
+    ``keys`` and ``values``: ``[num_blocks, block_size, num_kv_heads,
+    head_size]``, sharing the cache's storage.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """The model's rotary embedding, as the data a rotation needs.
+
+    Angles are linear in the position (``pos * inv_freq``), so rotating a key
+    already rotated for position ``v`` by ``delta`` gives the key for position
+    ``v + delta``. :mod:`vllm_kvreuse.chunk_cache.rope` refuses models for
+    which that does not hold.
+    """
+
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim], float32: cos | sin
+    head_size: int
+    rotary_dim: int
+    is_neox_style: bool
+
+
+class DeviceOps(ABC):
+    """Chunk moves over one worker's paged KV cache, every attention layer.
+
+    Invariants: every layer has the same block size, KV heads and head size,
+    and one block id names the same block in every layer. Built once; the
+    layer views stay valid as long as vLLM's KV caches do.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, layers: Sequence[PagedKV], rope: Rope | None) -> None:
+        assert layers, "no attention layer was registered"
+        self.layers = list(layers)
+        self.rope = rope
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].keys.device
+
+    @property
+    def block_size(self) -> int:
+        return self.layers[0].block_size
+
+    @abstractmethod
+    def save_chunk(
+        self, block_ids: torch.Tensor, start: int, count: int
+    ) -> torch.Tensor:
+        """A copy of positions ``[start, start + count)`` of a request whose
+        block table is ``block_ids``: ``[num_layers, 2, count, H, D]``.
+
+        Mutates nothing.
+        """
+
+    @abstractmethod
+    def load_chunk(
+        self,
+        block_ids: torch.Tensor,
+        dst_start: int,
+        stored: torch.Tensor,
+        src_start: int,
+        count: int,
+        delta: int,
+    ) -> None:
+        """Writes tokens ``[src_start, src_start + count)`` of ``stored``
+        (``[num_layers, 2, n, H, D]``, on any device) into positions
+        ``[dst_start, dst_start + count)`` of the request whose block table is
+        ``block_ids``, keys moved by ``delta`` positions (RoPE).
+
+        Mutates only those slots, in every layer.
+        """

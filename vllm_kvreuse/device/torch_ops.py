@@ -1,0 +1,96 @@
+"""The torch implementation of :class:`DeviceOps`: any device, the reference.
+
+Plain torch indexing over the layer views, so it runs wherever torch does
+(CPU, CUDA, NPU). It is the reference the fused kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+
+from vllm_kvreuse.device.base import DeviceOps, PagedKV, Rope
+
+
+def slots_of(
+    block_ids: torch.Tensor, start: int, count: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block id, offset) tensors of ``count`` positions from ``start``."""
+    positions = torch.arange(start, start + count, device=block_ids.device)
+    return block_ids[positions // block_size], positions % block_size
+
+
+def read_tokens(
+    kv: PagedKV, blocks: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the keys and values at the given slots: ``[n, H, D]`` each."""
+    return kv.keys[blocks, offsets], kv.values[blocks, offsets]
+
+
+def write_tokens(
+    kv: PagedKV,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Writes ``[n, H, D]`` keys and values into the given slots."""
+    kv.keys[blocks, offsets] = keys.to(kv.keys.dtype)
+    kv.values[blocks, offsets] = values.to(kv.values.dtype)
+
+
+def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
+    """Keys ``[..., H, D]`` moved by ``delta`` positions, in float32.
+
+    One position for the whole tensor, so a chunk's keys of every layer
+    rotate in one pass. The arithmetic is vLLM's own
+    (``ApplyRotaryEmb.forward_static``) with the model's cos/sin table.
+    """
+    cos, sin = rope.cos_sin_cache[delta].to(keys.device).chunk(2)
+    x = keys.to(torch.float32)
+    rotated = ApplyRotaryEmb.forward_static(
+        x[..., : rope.rotary_dim], cos[None], sin[None], rope.is_neox_style
+    )
+    return torch.cat((rotated, x[..., rope.rotary_dim :]), dim=-1)
+
+
+class TorchOps(DeviceOps):
+    """Gather/scatter with torch indexing; rotation in float32."""
+
+    name = "torch"
+
+    def save_chunk(
+        self, block_ids: torch.Tensor, start: int, count: int
+    ) -> torch.Tensor:
+        blocks, offsets = slots_of(block_ids, start, count, self.block_size)
+        per_layer = [read_tokens(kv, blocks, offsets) for kv in self.layers]
+        return torch.stack([torch.stack(pair) for pair in per_layer])
+
+    def load_chunk(
+        self,
+        block_ids: torch.Tensor,
+        dst_start: int,
+        stored: torch.Tensor,
+        src_start: int,
+        count: int,
+        delta: int,
+    ) -> None:
+        """On an accelerator all layers' keys rotate in one pass (the cost
+        there is kernel launches); on CPU layer by layer, which keeps each
+        layer's keys in cache (measured 2.3x faster for a 24-layer model)."""
+        blocks, offsets = slots_of(block_ids, dst_start, count, self.block_size)
+        window = stored[:, :, src_start : src_start + count].to(self.device)
+        keys, values = window[:, 0], window[:, 1]
+        on_cpu = self.device.type == "cpu"
+        if delta and not on_cpu:
+            keys = rerotate_keys(keys, delta, self._rope)
+        for layer, kv in enumerate(self.layers):
+            layer_keys = keys[layer]
+            if delta and on_cpu:
+                layer_keys = rerotate_keys(layer_keys, delta, self._rope)
+            write_tokens(kv, blocks, offsets, layer_keys, values[layer])
+
+    @property
+    def _rope(self) -> Rope:
+        assert self.rope is not None, "loading at another position needs RoPE"
+        return self.rope
