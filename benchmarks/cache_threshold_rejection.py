@@ -52,7 +52,14 @@ def main() -> None:
     args = parser.parse_args()
 
     log = Path(tempfile.mkdtemp()) / "server.log"
-    with Server(args.model, "--max-model-len", "4096", log_path=log) as server:
+    with Server(
+        args.model,
+        "--max-model-len",
+        "4096",
+        "--global-cache-hit-threshold",
+        "0",
+        log_path=log,
+    ) as server:
         client = httpx.Client(base_url=server.url, timeout=300)
         base = {"model": SERVED_MODEL, "max_tokens": 1, "stream": True}
         timed_stream(client, {**base, "prompt": "warm up", "cache_hit_threshold": 0})

@@ -312,6 +312,7 @@ def main() -> None:
     server_args = [
         "--max-logprobs", str(2 * args.beam_width), "--max-model-len", "2048",
         "--max-num-batched-tokens", "4096",
+        "--enable-continuation",
         "--retain-kv-max-fraction", str(args.retain_kv_max_fraction),
     ]  # fmt: skip
     if args.kv_blocks:

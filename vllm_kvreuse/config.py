@@ -111,12 +111,22 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "global_cache_hit_threshold",
         parse_fraction,
-        0.0,
-        "Reject a request whose KV-cache hit rate (cached prompt tokens, local "
-        "prefix cache plus KV connector, divided by prompt tokens) is below "
-        "this value with finish_reason 'cache_threshold', before any KV block "
-        "is allocated. A request's own 'cache_hit_threshold' overrides it. "
-        "0.0 (the default) admits every request.",
+        None,
+        "Turns the cache-hit threshold on: reject a request whose KV-cache hit "
+        "rate (cached prompt tokens, local prefix cache plus KV connector, "
+        "divided by prompt tokens) is below this value with finish_reason "
+        "'cache_threshold', before any KV block is allocated. A request's own "
+        "'cache_hit_threshold' overrides it; 0 admits every request that sets "
+        "none. Unset (the default): the threshold is off and requests that set "
+        "'cache_hit_threshold' are refused (400).",
+    ),
+    Option(
+        "enable_continuation",
+        parse_bool,
+        False,
+        "Turns continuation requests on: a request with 'retain_kv' keeps its "
+        "KV blocks after it finishes, and a request with 'continuation_of' "
+        "inherits them (see --retain-kv-ttl, --retain-kv-max-fraction).",
     ),
     Option(
         "retain_kv_ttl",
@@ -204,7 +214,8 @@ OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 class KVReuseConfig:
     """Validated vllm-kvreuse settings; defaults change nothing in vLLM."""
 
-    global_cache_hit_threshold: float = 0.0
+    global_cache_hit_threshold: float | None = None
+    enable_continuation: bool = False
     retain_kv_ttl: float = 60.0
     retain_kv_max_fraction: float = 0.25
     continuation_wait_timeout: float = 60.0
@@ -229,6 +240,7 @@ class KVReuseConfig:
         values = {
             name: OPTIONS_BY_NAME[name].parse(value, name)
             for name, value in raw.items()
+            if value is not None
         }
         return cls(**values)
 
@@ -242,6 +254,17 @@ class KVReuseConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def enabled(self) -> frozenset[str]:
+        """The features switched on (``core`` is always there)."""
+        switches = {
+            "admission": self.global_cache_hit_threshold is not None,
+            "continuation": self.enable_continuation,
+            "beam": self.engine_beam_search,
+            "chunk_cache": self.enable_chunk_cache,
+        }
+        return frozenset({"core"} | {name for name, on in switches.items() if on})
 
 
 def merge_settings(
@@ -257,7 +280,9 @@ def merge_settings(
     ours = {**(merged.get(ADDITIONAL_CONFIG_KEY) or {}), **settings}
     KVReuseConfig.from_dict(ours)  # validates
     merged[ADDITIONAL_CONFIG_KEY] = {
-        name: OPTIONS_BY_NAME[name].parse(value, name) for name, value in ours.items()
+        name: OPTIONS_BY_NAME[name].parse(value, name)
+        for name, value in ours.items()
+        if value is not None
     }
     return merged
 

@@ -14,51 +14,66 @@ from pydantic import model_validator
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
+from vllm_kvreuse import request_args
 from vllm_kvreuse.admission import frontend as admission
 from vllm_kvreuse.chunk_cache import frontend as chunks
+from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import frontend as continuation
 
 PROMPTLESS_FIELDS = (continuation.CONTINUATION_OF, chunks.BODY_FIELD)
 """Body fields that stand in for ``prompt`` on /v1/completions."""
 
 
-def validate_extra_args(extra_args: dict[str, Any]) -> None:
-    """Raises ``VLLMValidationError`` (HTTP 400) for a bad plugin option."""
-    for validate in (admission.validate_extra_args, continuation.validate_extra_args):
-        try:
-            validate(extra_args)
-        except ValueError as e:
-            raise VLLMValidationError(str(e)) from None
+def validate_extra_args(extra_args: dict[str, Any] | None, vllm_config: Any) -> None:
+    """Raises ``VLLMValidationError`` (HTTP 400) for a bad plugin key."""
+    enabled = KVReuseConfig.from_vllm_config(vllm_config).enabled
+    try:
+        request_args.validate(extra_args, enabled)  # type: ignore[arg-type]
+    except request_args.BadRequestArgs as e:
+        raise VLLMValidationError(str(e), parameter=e.param) from None
 
 
 def wrap_to_sampling_params(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Copies the plugin's top-level body fields into ``extra_args``."""
+    """Copies the plugin's public top-level body fields into ``extra_args``.
+
+    Fields the client sent as null are left out, as if absent.
+    """
 
     def to_sampling_params(self: Any, *args: Any, **kwargs: Any) -> SamplingParams:
         params = original(self, *args, **kwargs)
         body = self.model_extra or {}
         fields = {
             name: body[name]
-            for name in (*admission.BODY_FIELDS, *continuation.BODY_FIELDS)
+            for name in request_args.PUBLIC_FIELDS
             if body.get(name) is not None
         }
         if fields:
-            extra_args = {**(params.extra_args or {}), **fields}
-            validate_extra_args(extra_args)
-            params.extra_args = extra_args
+            params.extra_args = {**(params.extra_args or {}), **fields}
         return params
 
     return to_sampling_params
 
 
 def wrap_validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Every request, HTTP or offline, passes the plugin's key table."""
+
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and params.extra_args:
-            validate_extra_args(params.extra_args)
+            validate_extra_args(params.extra_args, self.vllm_config)
         return result
 
     return _validate_params
+
+
+def client_key_error(serving: Any, request: Any) -> Any | None:
+    """A 400 error object if the client's ``vllm_xargs`` names a key only the
+    plugin may set; checked before the plugin adds its own."""
+    try:
+        request_args.check_client_keys(getattr(request, "vllm_xargs", None))
+    except request_args.BadRequestArgs as e:
+        return serving.create_error_response(str(e), param=e.param)
+    return None
 
 
 def wrap_new_completion_output(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,6 +93,8 @@ def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[...
     """A continuation, then a chunked prompt, may render the request; else vLLM."""
 
     async def render_completion_request(self: Any, request: Any) -> Any:
+        if (error := client_key_error(self, request)) is not None:
+            return error
         given = request.prompt not in (None, "", [])
         result = await continuation.render_continuation(self, request, given)
         if result is None:
@@ -85,6 +102,22 @@ def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[...
         return result if result is not None else await original(self, request)
 
     return render_completion_request
+
+
+def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A continuation may render a chat request (no chat template); else vLLM."""
+
+    async def render_chat_request(self: Any, request: Any) -> Any:
+        if (error := client_key_error(self, request)) is not None:
+            return error
+        given = bool(request.messages)
+        result = await continuation.render_continuation(self, request, given)
+        if result is None:
+            return await original(self, request)
+        # Chat returns (conversation, inputs); a continuation has no messages.
+        return ([], result) if isinstance(result, list) else result
+
+    return render_chat_request
 
 
 def promptless_completion_request(original: type) -> type:

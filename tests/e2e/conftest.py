@@ -20,6 +20,7 @@ def server(model_dir: str, tmp_path_factory) -> Iterator[Server]:
         model_dir,
         "--global-cache-hit-threshold",
         "0.5",
+        "--enable-continuation",
         # Retained parents expire within the leak check's wait below.
         "--retain-kv-ttl",
         "2",

@@ -23,7 +23,8 @@ def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]
     )
     try:
         engine = Server(
-            model_dir, *common, "--engine-beam-search", "--retain-kv-ttl", "2",
+            model_dir, *common, "--engine-beam-search", "--enable-continuation",
+            "--retain-kv-ttl", "2",
             log_path=logs / "engine.log", block_size=BLOCK_SIZE,
         )  # fmt: skip
     except Exception:

@@ -13,6 +13,8 @@ from vllm import LLM, RequestOutput, SamplingParams
 from tests.integration.conftest import make_llm, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 from vllm_kvreuse.chunk_cache.store import ChunkIndex
+from vllm_kvreuse.core.accounting import check_block_accounting
+from vllm_kvreuse.request_args import internal_args
 from vllm_kvreuse.testing.reference import chunk_attention_mask
 
 SYSTEM = list(range(100, 140))
@@ -33,19 +35,20 @@ def chunk_cache_llm(model_dir: str, **kwargs) -> Iterator[LLM]:
     engine = make_llm(model_dir, enable_chunk_cache=True, **kwargs)
     try:
         yield engine
+        check_block_accounting(scheduler_of(engine))
     finally:
         engine.llm_engine.engine_core.shutdown()
 
 
 def index_of(llm: LLM) -> ChunkIndex:
-    return scheduler_of(llm).connector.index
+    return scheduler_of(llm).connector.scheduler_side.index
 
 
 def generate(llm: LLM, segments: list[list[int]], max_tokens: int = 6) -> RequestOutput:
     token_ids, lengths = chunked_prompt(segments)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5,
-        extra_args={"kvreuse_chunks": lengths},
+        extra_args=internal_args(kvreuse_chunks=lengths),
     )  # fmt: skip
     (out,) = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
     return out

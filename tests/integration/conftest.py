@@ -11,6 +11,7 @@ from vllm import LLM
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from tests.conftest import ENGINE_KWARGS
+from vllm_kvreuse.core.accounting import check_block_accounting
 
 
 def scheduler_of(llm: LLM) -> Scheduler:
@@ -26,19 +27,28 @@ def make_llm(model_dir: str, **kwargs) -> LLM:
     return LLM(model_dir, **{**ENGINE_KWARGS, "max_model_len": 1024, **kwargs})
 
 
+def _engines(request) -> list[LLM]:
+    """The engines among the test's fixture values (set up already)."""
+    return [value for value in request.node.funcargs.values() if isinstance(value, LLM)]
+
+
 @pytest.fixture
 def no_leak(request) -> Iterator[None]:
     """Asserts every engine the test uses is back to its free-block count."""
-    engines = [
-        value
-        for name in request.fixturenames
-        if name not in ("no_leak", "request")
-        and isinstance(value := request.getfixturevalue(name), LLM)
-    ]
+    engines = _engines(request)
     before = [num_free_blocks(llm) for llm in engines]
     yield
     after = [num_free_blocks(llm) for llm in engines]
     assert after == before, "KV blocks leaked by this test"
+
+
+@pytest.fixture(autouse=True)
+def block_accounting(request) -> Iterator[None]:
+    """After every test, every KV block reference of every engine it used is
+    owned: by a live request, the plugin's ledger, or a deferred free."""
+    yield
+    for llm in _engines(request):
+        check_block_accounting(scheduler_of(llm))
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ def test_same_beams_as_vllm_offline_loop(llm: LLM) -> None:
         assert [tokens for tokens, _ in have] == [tokens for tokens, _ in want]
         for (_, a), (_, b) in zip(have, want, strict=True):
             assert a == pytest.approx(b, abs=1e-3)
-    assert not scheduler_of(llm)._groups, "beam groups outlived their search"
+    assert not scheduler_of(llm).feature("beam")._groups, "groups outlived search"
 
 
 def test_sequences_hold_prompt_text_and_finish_reason(llm: LLM) -> None:

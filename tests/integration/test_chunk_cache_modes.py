@@ -16,7 +16,7 @@ from tests.integration.chunks import (
     hf_reference,
     index_of,
 )
-from tests.integration.conftest import num_free_blocks, scheduler_of
+from tests.integration.conftest import num_free_blocks
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 
 
@@ -45,7 +45,7 @@ def test_a_chunk_the_store_cannot_take_runs_as_an_ordinary_request(
         plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         (expected,) = llm.generate([{"prompt_token_ids": token_ids}], plain)
         assert out.outputs[0].token_ids == expected.outputs[0].token_ids
-        assert scheduler_of(llm).num_degraded_chunked_requests == 1
+        assert index_of(llm).stats.degraded == 1
         assert index_of(llm).stats.refused >= 1
         assert num_free_blocks(llm) == free
 

@@ -22,7 +22,12 @@ async def last(generator):
 def test_child_waits_for_a_running_parent(model_dir: str) -> None:
     async def scenario():
         engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(model=model_dir, max_model_len=512, **ENGINE_KWARGS)
+            AsyncEngineArgs(
+                model=model_dir,
+                max_model_len=512,
+                enable_continuation=True,
+                **ENGINE_KWARGS,
+            )
         )
         try:
             parent_params = SamplingParams(

@@ -10,6 +10,7 @@ from vllm.exceptions import VLLMValidationError
 
 from tests.integration.conftest import make_llm, num_free_blocks
 from vllm_kvreuse.continuation.registry import ParentNotFound, registry_of
+from vllm_kvreuse.request_args import internal_args
 
 PROMPT = list(range(500, 600))  # 100 tokens
 SUFFIX = [7, 8, 9, 10, 11]
@@ -17,7 +18,7 @@ SUFFIX = [7, 8, 9, 10, 11]
 
 @pytest.fixture(scope="module")
 def llm(model_dir: str) -> Iterator[LLM]:
-    engine = make_llm(model_dir)
+    engine = make_llm(model_dir, enable_continuation=True)
     yield engine
     del engine
 
@@ -66,7 +67,7 @@ def test_children_with_different_suffixes_each_match(llm: LLM) -> None:
     base = PROMPT + list(parent.outputs[0].token_ids)
     suffixes = [[21, 22], [31, 32, 33], [41]]
     prompts = [{"prompt_token_ids": base + s} for s in suffixes]
-    params = greedy(8, kvreuse_parent=_engine_id(llm, parent))
+    params = greedy(8, **internal_args(kvreuse_parent=_engine_id(llm, parent)))
     children = llm.generate(prompts, params)  # one batch
     for suffix, out in zip(suffixes, children, strict=True):
         assert out.num_cached_tokens == len(base) - 1

@@ -42,7 +42,7 @@ def rejections(stage: str) -> float:
 
 
 def test_global_flag_reaches_the_engine_scheduler(llm: LLM) -> None:
-    assert scheduler_of(llm).global_cache_hit_threshold == 0.5
+    assert scheduler_of(llm).feature("admission").global_threshold == 0.5
 
 
 def test_cold_request_rejected_then_accepted_once_cached(llm: LLM) -> None:
@@ -87,7 +87,12 @@ def test_bad_threshold_raises_before_reaching_the_engine(llm: LLM, bad) -> None:
 @pytest.fixture(scope="module")
 def small_pool_llm(model_dir: str, llm: LLM) -> Iterator[LLM]:
     """16 blocks of 32 tokens: four 215-token requests must preempt."""
-    engine = make_llm(model_dir, max_model_len=256, num_gpu_blocks_override=16)
+    engine = make_llm(
+        model_dir,
+        max_model_len=256,
+        num_gpu_blocks_override=16,
+        global_cache_hit_threshold=0.0,
+    )
     yield engine
     del engine
 

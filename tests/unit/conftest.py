@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -25,6 +25,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.conftest import BLOCK_SIZE
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
+from vllm_kvreuse.core.accounting import check_block_accounting
 
 SchedulerFactory = Callable[..., Scheduler]
 
@@ -34,11 +35,22 @@ def model_config(model_dir: str) -> ModelConfig:
     return ModelConfig(model=model_dir, dtype="float32", skip_tokenizer_init=True)
 
 
-@pytest.fixture
-def make_scheduler(model_config: ModelConfig) -> SchedulerFactory:
-    """Builds the scheduler class vLLM would pick, through the plugin's patch."""
+ALL_SCHEDULER_FEATURES = dict(
+    enable_continuation=True, engine_beam_search=True, global_cache_hit_threshold=0.0
+)
+"""The features that need no KV connector, on; tests override single values."""
 
-    def make(num_blocks: int = 64, **kvreuse: Any) -> Scheduler:
+
+@pytest.fixture
+def make_scheduler(model_config: ModelConfig) -> Iterator[SchedulerFactory]:
+    """Builds the scheduler class vLLM would pick, through the plugin's patch,
+    with every connector-free feature on unless ``plugin=False``; after the
+    test, every scheduler it made passes the block-accounting check."""
+    made: list[Scheduler] = []
+
+    def make(num_blocks: int = 64, plugin: bool = True, **kvreuse: Any) -> Scheduler:
+        if plugin:
+            kvreuse = {**ALL_SCHEDULER_FEATURES, **kvreuse}
         vllm_config = VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
@@ -48,7 +60,7 @@ def make_scheduler(model_config: ModelConfig) -> SchedulerFactory:
                 max_model_len=2048,
                 async_scheduling=False,
             ),
-            additional_config={ADDITIONAL_CONFIG_KEY: kvreuse},
+            additional_config={ADDITIONAL_CONFIG_KEY: kvreuse} if kvreuse else {},
         )
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(
@@ -60,15 +72,19 @@ def make_scheduler(model_config: ModelConfig) -> SchedulerFactory:
             kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
         )
         scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-        return scheduler_cls(
+        scheduler = scheduler_cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=BLOCK_SIZE,
             log_stats=True,
         )
+        made.append(scheduler)
+        return scheduler
 
-    return make
+    yield make
+    for scheduler in made:
+        check_block_accounting(scheduler)
 
 
 _hasher = None

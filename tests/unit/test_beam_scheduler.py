@@ -9,8 +9,8 @@ from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import make_request, num_free_blocks
+from vllm_kvreuse.beam.feature import RESULT_KEY
 from vllm_kvreuse.beam.policy import BeamConfig
-from vllm_kvreuse.beam.scheduler import RESULT_KEY
 
 PROMPT = list(range(400, 440))  # 40 tokens: 1 full block + 8
 TOKENS = [10, 10, 11, 12, 13]  # sampled first, then the top 4
@@ -81,7 +81,7 @@ def test_abort_of_the_root_frees_the_group(make_scheduler) -> None:
         output = scheduler.schedule()
         scheduler.update_from_output(output, model_output(output))
     scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)
-    assert not scheduler._groups and not scheduler._held
+    assert not scheduler.feature("beam")._groups and not scheduler.kvreuse.ledger
     run(scheduler)
     assert num_free_blocks(scheduler) == free_at_start
 

@@ -31,7 +31,21 @@ def test_parse_fraction_refuses_everything_else(value) -> None:
 
 def test_config_defaults_change_nothing() -> None:
     assert KVReuseConfig() == KVReuseConfig.from_dict({})
-    assert KVReuseConfig().global_cache_hit_threshold == 0.0
+    assert KVReuseConfig().global_cache_hit_threshold is None
+    assert KVReuseConfig().enabled == {"core"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "feature"),
+    [
+        ({"global_cache_hit_threshold": 0.0}, "admission"),
+        ({"enable_continuation": True}, "continuation"),
+        ({"engine_beam_search": True}, "beam"),
+        ({"enable_chunk_cache": True}, "chunk_cache"),
+    ],
+)
+def test_each_switch_turns_on_its_feature_alone(settings, feature) -> None:
+    assert KVReuseConfig.from_dict(settings).enabled == {"core", feature}
 
 
 def test_unknown_setting_is_an_error() -> None:

@@ -45,7 +45,7 @@ def test_finished_parent_keeps_its_computed_blocks(make_scheduler) -> None:
     scheduler = make_scheduler()
     free_at_start = num_free_blocks(scheduler)
     retained_parent(scheduler)
-    entry = scheduler.retained.get("p", time.monotonic())
+    entry = scheduler.kvreuse.ledger.get("p")
     assert entry is not None, "parent was not retained"
     assert len(entry.token_ids) == PARENT_COMPUTED
     assert entry.num_blocks == 4
@@ -60,7 +60,7 @@ def test_child_prefills_only_suffix_plus_one_with_a_private_tail(
 ) -> None:
     scheduler = make_scheduler()
     retained_parent(scheduler)
-    parent_blocks = list(scheduler.retained.get("p", time.monotonic()).blocks[0])
+    parent_blocks = list(scheduler.kvreuse.ledger.get("p").blocks[0])
     scheduler.add_request(child("c"))
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"c": len(SUFFIX) + 1}
@@ -121,7 +121,7 @@ def test_aborted_parent_is_not_retained(make_scheduler) -> None:
     scheduler.add_request(request)
     step(scheduler)
     scheduler.finish_requests("p", RequestStatus.FINISHED_ABORTED)
-    assert len(scheduler.retained) == 0
+    assert len(scheduler.kvreuse.ledger) == 0
 
 
 def test_budget_releases_the_oldest_first(make_scheduler) -> None:
@@ -130,14 +130,14 @@ def test_budget_releases_the_oldest_first(make_scheduler) -> None:
     free_at_start = num_free_blocks(scheduler)
     retained_parent(scheduler, "p1")
     retained_parent(scheduler, "p2", prompt=list(range(600, 700)))
-    assert "p1" not in scheduler.retained and "p2" in scheduler.retained
+    assert "p1" not in scheduler.kvreuse.ledger and "p2" in scheduler.kvreuse.ledger
     assert num_free_blocks(scheduler) == free_at_start - 4
 
 
 def test_parent_larger_than_the_budget_is_not_retained(make_scheduler) -> None:
     scheduler = make_scheduler(retain_kv_max_fraction=0.05)  # 3 blocks
     retained_parent(scheduler)
-    assert len(scheduler.retained) == 0
+    assert len(scheduler.kvreuse.ledger) == 0
 
 
 def test_ttl_expiry_releases_and_publishes_once(make_scheduler) -> None:
@@ -145,7 +145,7 @@ def test_ttl_expiry_releases_and_publishes_once(make_scheduler) -> None:
     free_at_start = num_free_blocks(scheduler)
     retained_parent(scheduler, retain_kv_ttl=0.01)
     time.sleep(0.02)
-    assert scheduler.release_expired() == 1
+    assert scheduler.feature("continuation").release_expired() == 1
     assert num_free_blocks(scheduler) == free_at_start
     assert scheduler.has_requests(), "one step must publish the new KV usage"
     step(scheduler)
@@ -158,7 +158,7 @@ def test_memory_pressure_releases_retained_parents(make_scheduler) -> None:
         retained_parent(
             scheduler, f"p{i}", prompt=list(range(1000 * i, 1000 * i + 100))
         )
-    assert len(scheduler.retained) == 3  # 12 of 15 blocks
+    assert len(scheduler.kvreuse.ledger) == 3  # 12 of 15 blocks
     big = make_request("big", list(range(5000, 5000 + 5 * BLOCK_SIZE)), max_tokens=1)
     scheduler.add_request(big)
     for _ in range(3):
@@ -166,8 +166,8 @@ def test_memory_pressure_releases_retained_parents(make_scheduler) -> None:
         if output.num_scheduled_tokens:
             break
     assert "big" in output.num_scheduled_tokens, "retained KV starved a new request"
-    assert len(scheduler.retained) < 3
-    assert "p0" not in scheduler.retained, "the oldest parent goes first"
+    assert len(scheduler.kvreuse.ledger) < 3
+    assert "p0" not in scheduler.kvreuse.ledger, "the oldest parent goes first"
 
 
 def test_inherited_tokens_count_for_the_cache_hit_threshold(make_scheduler) -> None:
@@ -176,7 +176,7 @@ def test_inherited_tokens_count_for_the_cache_hit_threshold(make_scheduler) -> N
     scheduler.add_request(child("c"))
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"c": len(SUFFIX) + 1}
-    assert scheduler.num_cache_threshold_rejections == 0
+    assert scheduler.feature("admission").num_rejections == 0
 
 
 def test_request_sharing_a_retained_prefix_extends_into_its_tail(
@@ -186,7 +186,7 @@ def test_request_sharing_a_retained_prefix_extends_into_its_tail(
     parent's partial tail block (copied), found through its last full block."""
     scheduler = make_scheduler()
     retained_parent(scheduler)
-    parent_blocks = scheduler.retained.get("p", time.monotonic()).blocks[0]
+    parent_blocks = scheduler.kvreuse.ledger.get("p").blocks[0]
     scheduler.add_request(make_request("beam", CHILD_PROMPT, max_tokens=3))
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"beam": len(SUFFIX) + 1}

@@ -38,20 +38,6 @@ def assert_rejected(scheduler, outputs, request) -> None:
     assert request.request_id not in scheduler.requests, "rejected request leaked"
 
 
-def test_scheduler_class_is_composed(make_scheduler) -> None:
-    """vLLM's own choice (Scheduler here) gets the feature mixins in front."""
-    scheduler = make_scheduler()
-    names = [cls.__name__ for cls in type(scheduler).__mro__]
-    assert names[:6] == [
-        "KVReuseScheduler",
-        "ChunkCacheMixin",
-        "CacheHitThresholdMixin",
-        "BeamSearchMixin",
-        "ContinuationMixin",
-        "Scheduler",
-    ]
-
-
 def test_default_threshold_admits_cold_request(make_scheduler) -> None:
     scheduler = make_scheduler()
     request = make_request("a", PROMPT_64)
@@ -69,7 +55,7 @@ def test_cold_request_rejected_before_any_allocation(make_scheduler) -> None:
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {}, "a rejected request was scheduled"
     assert num_free_blocks(scheduler) == free_before, "rejection allocated blocks"
-    assert scheduler.num_cache_threshold_rejections == 1
+    assert scheduler.feature("admission").num_rejections == 1
     outputs = scheduler.update_from_output(output, model_output(output))
     assert_rejected(scheduler, outputs[0].outputs, request)
     assert not scheduler.has_requests()
@@ -121,7 +107,7 @@ def test_admitted_request_is_not_judged_again(make_scheduler) -> None:
     outputs = run_to_completion(scheduler)
     finals = [o for o in outputs if o.finish_reason is not None]
     assert [o.finish_reason for o in finals] == [FinishReason.LENGTH]
-    assert scheduler.num_cache_threshold_rejections == 0
+    assert scheduler.feature("admission").num_rejections == 0
 
 
 @pytest.mark.parametrize(("threshold", "rejected"), [(0.9, True), (0.8, False)])

@@ -2,7 +2,7 @@
 
 Replaces vLLM's front-end beam-search loop (one engine request per beam per
 step, re-sent from the API server) by a single root request; the engine runs
-the steps (:mod:`vllm_kvreuse.beam.scheduler`) and returns the best beams in
+the steps (:mod:`vllm_kvreuse.beam.feature`) and returns the best beams in
 the root's final output, which is turned into the same ``RequestOutput``
 the front-end loop yields. Off by default; with the flag off the original
 loop runs unchanged.
@@ -24,10 +24,11 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
-from vllm_kvreuse.beam.policy import CONFIG_KEY, BeamConfig
-from vllm_kvreuse.beam.scheduler import RESULT_KEY
+from vllm_kvreuse.beam.feature import RESULT_KEY
+from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.metrics import count_beam_group
+from vllm_kvreuse.request_args import internal_args
 
 
 def check_fits_pool(
@@ -79,7 +80,7 @@ def root_sampling_params(
         temperature=params.temperature,
         watermarking=False,
         detokenize=False,
-        extra_args={CONFIG_KEY: config.to_dict()},
+        extra_args=internal_args(kvreuse_beam=config.to_dict()),
     )
 
 

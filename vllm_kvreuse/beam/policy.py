@@ -12,8 +12,9 @@ vLLM's own length-penalised score (``create_sort_beams_key_function``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -38,10 +39,42 @@ class BeamConfig:
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None) -> BeamConfig | None:
         raw = (extra_args or {}).get(CONFIG_KEY)
-        return cls(**raw) if raw else None
+        return cls.parse(raw) if raw else None
+
+    @classmethod
+    def parse(cls, raw: Any) -> BeamConfig:
+        """A config from its dict form, every field checked (``ValueError``)."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or not names >= set(raw) >= _REQUIRED:
+            raise ValueError(f"{CONFIG_KEY} must be a dict with keys {sorted(names)}")
+        config = cls(**raw)
+        if not _is_int(config.width) or not 1 <= config.width <= MAX_WIDTH:
+            raise ValueError(f"beam width must be an integer in [1, {MAX_WIDTH}]")
+        if not _is_int(config.max_tokens) or config.max_tokens < 1:
+            raise ValueError("beam max_tokens must be a positive integer")
+        eos = config.eos_token_id
+        if eos is not None and (not _is_int(eos) or eos < 0):
+            raise ValueError("beam eos_token_id must be a token id or null")
+        penalty = config.length_penalty
+        if not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+            raise ValueError("beam length_penalty must be a finite number")
+        if not all(
+            isinstance(flag, bool)
+            for flag in (config.ignore_eos, config.include_stop_str_in_output)
+        ):
+            raise ValueError("beam ignore_eos and include_stop_str_in_output are bools")
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+MAX_WIDTH = 1024
+_REQUIRED = {"width", "max_tokens", "eos_token_id"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)

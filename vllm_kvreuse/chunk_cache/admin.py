@@ -11,8 +11,8 @@ Routes (all JSON):
 vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``; this one
 and the general plugin are both named ``kvreuse``, so
 ``VLLM_PLUGINS=kvreuse`` loads both. The engine side is the engine-core
-utility ``kvreuse_chunk_cache`` installed by the general plugin
-(:mod:`vllm_kvreuse.patches`).
+utility in :mod:`vllm_kvreuse.chunk_cache.engine`, installed by the general
+plugin (:mod:`vllm_kvreuse.patches`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.datastructures import State
 
-UTILITY = "kvreuse_chunk_cache"
+from vllm_kvreuse.chunk_cache.engine import UTILITY
+
 router = APIRouter(prefix="/v1/kvreuse/chunk_cache")
 
 
@@ -82,21 +83,3 @@ class ChunkCacheAdmin:
         self, engine_client: Any, state: State, args: Namespace
     ) -> None:
         state.kvreuse_engine_client = engine_client
-
-
-def make_chunk_cache_utility(_: None) -> Any:
-    def kvreuse_chunk_cache(
-        self: Any,
-        action: str,
-        token_ids: list[int] | None = None,
-        system_token_ids: list[int] | None = None,
-        cache_salt: str | None = None,
-    ) -> dict[str, Any]:
-        """Engine-core utility behind the admin endpoint (typed arguments:
-        vLLM converts them by annotation)."""
-        admin = getattr(self.scheduler, "chunk_cache_admin", None)
-        if admin is None:
-            raise ValueError("the chunk cache is not enabled on this server")
-        return admin(action, token_ids, system_token_ids, cache_salt)
-
-    return kvreuse_chunk_cache

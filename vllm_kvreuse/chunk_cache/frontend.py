@@ -18,8 +18,9 @@ from typing import Any
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import tokens_input
 
-from vllm_kvreuse.chunk_cache.params import CHUNKS, validate_lengths
+from vllm_kvreuse.chunk_cache.params import validate_lengths
 from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.request_args import internal_args
 
 BODY_FIELD = "chunks"
 
@@ -69,6 +70,22 @@ def chunked_prompt(segments: Sequence[Sequence[int]]) -> tuple[list[int], list[i
     return token_ids, validate_lengths(lengths, len(token_ids))
 
 
+def chunked_request(
+    segments: Sequence[Sequence[int]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The offline form of a chunked prompt: ``(prompt, extra_args)``.
+
+    ``segments`` are token-id lists: the chunks, then the question. Pass the
+    prompt to ``LLM.generate`` and the ``extra_args`` in its
+    ``SamplingParams`` (merged with any of your own)::
+
+        prompt, extra_args = chunked_request([system, doc_a, doc_b, question])
+        llm.generate(prompt, SamplingParams(max_tokens=32, extra_args=extra_args))
+    """
+    token_ids, lengths = chunked_prompt(segments)
+    return {"prompt_token_ids": token_ids}, internal_args(kvreuse_chunks=lengths)
+
+
 def segments_of(request: Any, separator: str, tokenizer: Any) -> list[list[int]] | None:
     """The segments of an HTTP completion request, or None if it is not chunked."""
     body = request.model_extra or {}
@@ -109,7 +126,10 @@ async def render_chunked(serving: Any, request: Any) -> list[Any] | Any | None:
             )
     except (VLLMValidationError, ValueError) as e:
         return serving.create_error_response(str(e), param=BODY_FIELD)
-    request.vllm_xargs = {**(request.vllm_xargs or {}), CHUNKS: lengths}
+    request.vllm_xargs = {
+        **(request.vllm_xargs or {}),
+        **internal_args(kvreuse_chunks=lengths),
+    }
     return await serving._check_model(request) or [
         tokens_input(token_ids, cache_salt=request.cache_salt)
     ]

@@ -1,8 +1,8 @@
 """How a chunked prompt travels from the frontend to the engine.
 
-``SamplingParams.extra_args["kvreuse_chunks"]`` holds the token lengths of
-the prompt's chunks, in order; the question is the rest of the prompt. The
-frontend validates it (:func:`validate_lengths`); the engine trusts it.
+``SamplingParams.extra_args["kvreuse_chunks"]`` (an internal key, see
+:mod:`vllm_kvreuse.request_args`) holds the token lengths of the prompt's
+chunks, in order; the question is the rest of the prompt.
 """
 
 from __future__ import annotations
@@ -11,19 +11,29 @@ from collections.abc import Sequence
 from typing import Any
 
 CHUNKS = "kvreuse_chunks"
+MAX_CHUNKS = 4096
+
+
+def parse_lengths(lengths: Any) -> list[int]:
+    """``lengths`` as a non-empty list of positive token counts."""
+    if (
+        not isinstance(lengths, Sequence)
+        or isinstance(lengths, (str, bytes))
+        or not 0 < len(lengths) <= MAX_CHUNKS
+        or not all(type(n) is int and n > 0 for n in lengths)
+    ):
+        raise ValueError(
+            f"{CHUNKS} must be a list of 1 to {MAX_CHUNKS} positive token counts"
+        )
+    return list(lengths)
 
 
 def validate_lengths(lengths: Any, num_prompt_tokens: int) -> list[int]:
     """``lengths`` as a list of positive ints leaving a non-empty question."""
-    if (
-        not isinstance(lengths, Sequence)
-        or not lengths
-        or not all(type(n) is int and n > 0 for n in lengths)
-    ):
-        raise ValueError(f"{CHUNKS} must be a non-empty list of positive token counts")
+    lengths = parse_lengths(lengths)
     if sum(lengths) >= num_prompt_tokens:
         raise ValueError("a chunked prompt needs a non-empty question after its chunks")
-    return list(lengths)
+    return lengths
 
 
 def chunk_lengths(request: Any, num_prompt_tokens: int) -> list[int] | None:

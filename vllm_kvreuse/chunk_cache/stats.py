@@ -26,8 +26,11 @@ COUNTERS: dict[str, str] = {
     "hit_tokens": "Prompt tokens of chunks found in the chunk store.",
     "miss_tokens": "Prompt tokens of chunks computed by a fill.",
     "evictions": "Chunks evicted from the chunk store (LRU or clear).",
-    "refused": "Chunks the store could not take (too large, or all pinned); "
-    "their requests ran as ordinary requests.",
+    "refused": "Chunks the store could not take (too large, or all pinned).",
+    "degraded": "Chunked requests that ran as ordinary requests because the "
+    "store could not take a chunk they needed.",
+    "replanned": "Chunked requests whose fill ended without saving its chunk "
+    "(aborted or failed): they were planned again.",
 }
 GAUGES: dict[str, str] = {
     "chunks": "Chunks in the chunk store.",
@@ -35,6 +38,7 @@ GAUGES: dict[str, str] = {
     "pinned": "Chunks pinned (in use, or pinned by an admin).",
     "device_bytes": "Chunk-store bytes on the KV cache's device.",
     "cpu_bytes": "Chunk-store bytes in host memory (CPU tier).",
+    "fills": "Fill requests computing missing chunks right now.",
 }
 
 

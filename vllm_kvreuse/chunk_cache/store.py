@@ -45,12 +45,16 @@ class StoreOp:
 
 @dataclass(slots=True)
 class StoreStats:
+    """Chunk-cache counters (totals); see ``stats.COUNTERS``."""
+
     hits: int = 0
     misses: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
     evictions: int = 0
     refused: int = 0
+    degraded: int = 0
+    replanned: int = 0
 
 
 @dataclass(slots=True)

@@ -1,10 +1,12 @@
 """Frontend side of continuation requests.
 
+- Each engine client (``AsyncLLM``, ``LLMEngine``) gets its parent registry
+  when it is built, if continuation is on (:func:`wrap_engine_client_init`).
 - Parents are recorded as the output processor adds them, and completed with
   the tokens actually delivered when their final output is made.
 - A child (HTTP ``continuation_of``, or ``generate_continuation``) is turned
   into an ordinary token-id request: parent prompt + delivered output +
-  suffix, with ``extra_args["kvreuse_parent"]`` naming the parent's engine
+  suffix, with the internal key ``kvreuse_parent`` naming the parent's engine
   request so that the scheduler can hand over its blocks.
 Errors: unknown, expired, aborted or other-tenant parents are 404
 (``ParentNotFound``); malformed fields and LoRA mismatches are 400.
@@ -21,9 +23,9 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import SamplingParams
 
-from vllm_kvreuse.chunk_cache.params import CHUNKS
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import params
+from vllm_kvreuse.continuation.engine import RELEASE_EXPIRED
 from vllm_kvreuse.continuation.registry import (
     ParentNotFound,
     ParentRecord,
@@ -33,18 +35,38 @@ from vllm_kvreuse.continuation.registry import (
     track,
 )
 from vllm_kvreuse.metrics import count_continuation
-
-BODY_FIELDS = (params.RETAIN_KV, params.RETAIN_KV_TTL)
-"""Top-level HTTP body fields copied into ``extra_args`` (parent side)."""
+from vllm_kvreuse.request_args import PARENT, internal_args
 
 CONTINUATION_OF = "continuation_of"
 CHOICE = "continuation_choice"
 SUFFIX = "continuation_suffix"
 SUFFIX_TOKEN_IDS = "continuation_suffix_token_ids"
+CHUNKS = "kvreuse_chunks"
+
+# -- the registry of each engine client ------------------------------------------
 
 
-def validate_extra_args(extra_args: Mapping[str, Any]) -> None:
-    params.validate(extra_args)
+def wrap_engine_client_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``AsyncLLM.__init__`` / ``LLMEngine.__init__``: gives the engine
+    client's output processor its parent registry, if continuation is on.
+
+    An async client can wake its engine core when a retention expires; an
+    offline one releases expired parents at its next step.
+    """
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        config = KVReuseConfig.from_vllm_config(self.vllm_config)
+        if not config.enable_continuation:
+            return
+        engine_core = self.engine_core
+        release = getattr(engine_core, "call_utility_async", None)
+        self.output_processor.kvreuse_parents = ParentRegistry(
+            release_expired=(lambda: release(RELEASE_EXPIRED)) if release else None,
+            default_ttl=config.retain_kv_ttl,
+        )
+
+    return __init__
 
 
 # -- recording parents ---------------------------------------------------------
@@ -55,6 +77,9 @@ def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         original(self, request, *args, **kwargs)
+        registry = registry_of(self)
+        if registry is None:
+            return
         state = self.request_states.get(request.request_id)
         sampling = request.sampling_params
         if state is None or sampling is None or state.detokenizer is None:
@@ -69,10 +94,10 @@ def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
             lora_name=state.lora_name,
             retain_kv=params.wants_retention(extra),
             ttl=extra.get(params.RETAIN_KV_TTL),
-            is_continuation=params.parent_of(extra) is not None,
+            is_continuation=PARENT in extra,
             chunk_lengths=extra.get(CHUNKS),
         )
-        track(registry_of(self), state, record)
+        track(registry, state, record)
 
     return add_request
 
@@ -107,10 +132,12 @@ class Child:
     def extra_args(self) -> dict[str, Any]:
         """Names the parent; a chunked parent's child keeps its chunks, so it
         is hashed like the parent and inherits the parent's blocks."""
-        extra: dict[str, Any] = {params.PARENT: self.parent_engine_request_id}
         if self.chunk_lengths:
-            extra[CHUNKS] = self.chunk_lengths
-        return extra
+            return internal_args(
+                kvreuse_parent=self.parent_engine_request_id,
+                kvreuse_chunks=self.chunk_lengths,
+            )
+        return internal_args(kvreuse_parent=self.parent_engine_request_id)
 
 
 def build_child(record: ParentRecord, suffix_token_ids: Sequence[int]) -> Child:
@@ -126,10 +153,6 @@ def with_parent(sampling_params: SamplingParams | None, child: Child) -> Samplin
     params_ = (sampling_params or SamplingParams()).clone()
     params_.extra_args = {**(params_.extra_args or {}), **child.extra_args}
     return params_
-
-
-def default_ttl(vllm_config: Any) -> float:
-    return KVReuseConfig.from_vllm_config(vllm_config).retain_kv_ttl
 
 
 # -- HTTP --------------------------------------------------------------------
@@ -187,7 +210,11 @@ async def resolve_http(
         )
     suffix = _suffix_token_ids(body, serving.renderer.tokenizer)
     engine = serving.engine_client
-    registry = bound_registry(engine)
+    registry = registry_of(engine.output_processor)
+    if registry is None:
+        raise BadContinuation(
+            f"{CONTINUATION_OF} needs a server started with --enable-continuation"
+        )
     config = KVReuseConfig.from_vllm_config(engine.vllm_config)
     record = registry.find_response(
         parent_id, _choice(body), request.cache_salt, config.retain_kv_ttl
@@ -221,34 +248,10 @@ def error_response(serving: Any, error: Exception) -> Any:
     return serving.create_error_response(str(error), param=CONTINUATION_OF)
 
 
-def bound_registry(engine: Any) -> ParentRegistry:
-    """The engine's registry, able to wake the engine when a retention expires."""
-    registry = registry_of(engine.output_processor)
-    if registry.release_expired is None:
-        registry.bind(
-            lambda: engine.engine_core.call_utility_async(RELEASE_EXPIRED),
-            default_ttl(engine.vllm_config),
-        )
-    return registry
-
-
-RELEASE_EXPIRED = "kvreuse_release_expired"
-
-
-def make_release_expired_utility(_: None) -> Callable[..., Any]:
-    def kvreuse_release_expired(self: Any) -> int:
-        """Engine-core utility: release retained parents past their TTL."""
-        release = getattr(self.scheduler, "release_expired", None)
-        return release() if release is not None else 0
-
-    return kvreuse_release_expired
-
-
 async def render_continuation(
     serving: Any, request: Any, prompt_given: bool
 ) -> list[Any] | Any | None:
     """Engine inputs (or an error object) for a continuation; None otherwise."""
-    bound_registry(serving.engine_client)
     try:
         inputs = await resolve_http(serving, request, prompt_given)
     except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
@@ -258,31 +261,18 @@ async def render_continuation(
     return await serving._check_model(request) or inputs
 
 
-def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    async def render_chat_request(self: Any, request: Any) -> Any:
-        given = bool(request.messages)
-        result = await render_continuation(self, request, prompt_given=given)
-        if result is None:
-            return await original(self, request)
-        # Chat returns (conversation, inputs); a continuation has no messages.
-        return ([], result) if isinstance(result, list) else result
-
-    return render_chat_request
-
-
 # -- Python API ----------------------------------------------------------------
 
 
-def _offline_child(
-    registry: ParentRegistry,
-    parent_request_id: str,
-    choice: int,
-    suffix_token_ids: Sequence[int],
-    cache_salt: str | None,
-    ttl: float,
-) -> tuple[ParentRecord, Child]:
-    record = registry.find(parent_request_id, choice, cache_salt, ttl)
-    return record, build_child(record, suffix_token_ids)
+def engine_registry(engine: Any) -> ParentRegistry:
+    """The engine client's registry; ``ValueError`` if continuation is off."""
+    registry = registry_of(engine.output_processor)
+    if registry is None:
+        raise ValueError(
+            "continuation requests need the engine started with "
+            "enable_continuation=True (--enable-continuation)"
+        )
+    return registry
 
 
 def make_llm_generate_continuation(_: None) -> Callable[..., Any]:
@@ -305,14 +295,11 @@ def make_llm_generate_continuation(_: None) -> Callable[..., Any]:
         unknown, expired or other-salt parent.
         """
         engine = self.llm_engine
-        _, child = _offline_child(
-            registry_of(engine.output_processor),
-            parent_request_id,
-            choice,
-            suffix_token_ids,
-            cache_salt,
-            default_ttl(engine.vllm_config),
+        registry = engine_registry(engine)
+        record = registry.find(
+            parent_request_id, choice, cache_salt, registry.default_ttl
         )
+        child = build_child(record, suffix_token_ids)
         prompt = tokens_input(child.prompt_token_ids, cache_salt=cache_salt)
         (output,) = self.generate(
             [prompt], with_parent(sampling_params, child), use_tqdm=use_tqdm
@@ -340,7 +327,7 @@ def make_async_generate_continuation(_: None) -> Callable[..., Any]:
         still running. Other keyword arguments go to ``generate``.
         """
         config = KVReuseConfig.from_vllm_config(self.vllm_config)
-        registry = bound_registry(self)
+        registry = engine_registry(self)
         record = registry.find(
             parent_request_id, choice, cache_salt, config.retain_kv_ttl
         )

@@ -1,7 +1,9 @@
 """Frontend record of recent requests, so that a child can name its parent by id.
 
 Lives in the frontend process (API server or ``LLM`` caller), one registry
-per ``OutputProcessor``. It learns a request when the output processor adds
+per engine client, created with it (``output_processor.kvreuse_parents``,
+see :func:`vllm_kvreuse.continuation.frontend.wrap_engine_client_init`).
+It learns a request when the output processor adds
 it and its tokens when the request's final output is made: the prompt token
 ids and the output token ids exactly as delivered (after stop-string
 trimming). A child's prompt is built from those lists: no re-tokenisation,
@@ -74,18 +76,20 @@ class ParentRecord:
 
 
 class ParentRegistry:
-    """Records by (external request id, choice index), oldest first."""
+    """Records by (external request id, choice index), oldest first.
 
-    def __init__(self, max_records: int = MAX_RECORDS) -> None:
+    ``release_expired`` wakes the engine core to release expired retentions
+    (None offline: the engine releases them at its next step).
+    """
+
+    def __init__(
+        self,
+        release_expired: Callable[[], Awaitable[Any]] | None,
+        default_ttl: float,
+        max_records: int = MAX_RECORDS,
+    ) -> None:
         self.max_records = max_records
         self._records: OrderedDict[tuple[str, int], ParentRecord] = OrderedDict()
-        self.release_expired: Callable[[], Awaitable[Any]] | None = None
-        self.default_ttl = 0.0
-
-    def bind(
-        self, release_expired: Callable[[], Awaitable[Any]], default_ttl: float
-    ) -> None:
-        """Lets the registry wake the engine to release expired retentions."""
         self.release_expired = release_expired
         self.default_ttl = default_ttl
 
@@ -190,22 +194,17 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-# One registry per OutputProcessor, and each RequestState's record; weak
-# keys, so both go away with the objects vLLM owns.
-_registries: weakref.WeakKeyDictionary[Any, ParentRegistry] = (
-    weakref.WeakKeyDictionary()
-)
+# Each RequestState's record; weak keys, so records go away with the states
+# vLLM owns.
 _records: weakref.WeakKeyDictionary[Any, tuple[ParentRegistry, ParentRecord]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def registry_of(output_processor: Any) -> ParentRegistry:
-    """The registry of an ``OutputProcessor``, created on first use."""
-    registry = _registries.get(output_processor)
-    if registry is None:
-        registry = _registries[output_processor] = ParentRegistry()
-    return registry
+def registry_of(output_processor: Any) -> ParentRegistry | None:
+    """The registry of an engine client's output processor (None when
+    continuation is off)."""
+    return getattr(output_processor, "kvreuse_parents", None)
 
 
 def track(registry: ParentRegistry, request_state: Any, record: ParentRecord) -> None:

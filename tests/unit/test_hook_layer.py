@@ -1,0 +1,128 @@
+"""The scheduler hook layer: composition, one override per upstream method,
+features that never know each other, and failures contained to one request."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.diffusion_scheduler import DiffusionScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+import vllm_kvreuse
+from tests.unit.conftest import make_request, run_to_completion
+from vllm_kvreuse.core.feature import HOOKS, Feature
+from vllm_kvreuse.core.features import FEATURE_ORDER
+from vllm_kvreuse.core.layer import KVReuseLayer, compose
+from vllm_kvreuse.patches import SCHEDULER_OVERRIDES, signature_of
+
+PACKAGE = Path(vllm_kvreuse.__file__).parent
+FEATURE_PACKAGES = ("admission", "beam", "chunk_cache", "continuation")
+
+
+def test_a_feature_puts_the_layer_in_front_of_vllms_choice(make_scheduler) -> None:
+    scheduler = make_scheduler()
+    names = [cls.__name__ for cls in type(scheduler).__mro__][:3]
+    assert names == ["KVReuseScheduler", "KVReuseLayer", "Scheduler"]
+
+
+def test_no_feature_leaves_vllms_class_untouched(make_scheduler) -> None:
+    scheduler = make_scheduler(plugin=False)
+    assert type(scheduler) is Scheduler
+    assert not hasattr(scheduler, "kvreuse")
+
+
+@pytest.mark.parametrize("base", [Scheduler, AsyncScheduler, DiffusionScheduler])
+def test_compose_keeps_the_base_and_is_cached(base: type) -> None:
+    composed = compose(base)
+    assert composed.__mro__[1:3] == (KVReuseLayer, base)
+    assert compose(base) is composed and compose(composed) is composed
+
+
+def test_each_upstream_method_is_overridden_once_with_a_pinned_signature() -> None:
+    overridden = {
+        name
+        for name, value in vars(KVReuseLayer).items()
+        if callable(value) and hasattr(Scheduler, name)
+    }
+    assert overridden == set(SCHEDULER_OVERRIDES), "update SCHEDULER_OVERRIDES"
+    changed = {
+        name: signature_of(getattr(Scheduler, name))
+        for name, pinned in SCHEDULER_OVERRIDES.items()
+        if signature_of(getattr(Scheduler, name)) != pinned
+    }
+    assert changed == {}, "upstream changed a method the hook layer overrides"
+
+
+def test_features_are_plain_objects_with_known_hooks() -> None:
+    for feature in FEATURE_ORDER:
+        assert not issubclass(feature, Scheduler), feature
+        assert issubclass(feature, Feature) and feature.name
+        unknown = {
+            name
+            for name, value in vars(feature).items()
+            if callable(value) and not name.startswith("_") and hasattr(Feature, name)
+        } - set(HOOKS)
+        assert unknown == set(), f"{feature.__name__} overrides non-hooks {unknown}"
+
+
+def test_exclusive_hooks_have_at_most_one_implementer() -> None:
+    """Two features answering the same exclusive hook would conflict."""
+    for hook, kind in HOOKS.items():
+        implementers = [
+            f.__name__
+            for f in FEATURE_ORDER
+            if getattr(f, hook) is not getattr(Feature, hook)
+        ]
+        if kind == "exclusive":
+            assert len(implementers) <= 1, f"{hook}: {implementers}"
+
+
+def test_features_never_import_each_other() -> None:
+    offenders = []
+    for package in FEATURE_PACKAGES:
+        others = {f"vllm_kvreuse.{p}" for p in FEATURE_PACKAGES} - {
+            f"vllm_kvreuse.{package}"
+        }
+        for path in (PACKAGE / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                offenders += [
+                    f"{package}/{path.name} imports {name}"
+                    for name in names
+                    if any(name == o or name.startswith(o + ".") for o in others)
+                ]
+    assert offenders == []
+
+
+def test_a_feature_failing_on_one_request_fails_that_request_alone(
+    make_scheduler,
+) -> None:
+    """A request whose plugin data breaks a hook ends with ERROR; the other
+    request runs to the end and nothing leaks (checked by the fixture)."""
+    scheduler = make_scheduler()
+    bad = make_request("bad", list(range(40)), kvreuse_beam={"width": "x"})
+    good = make_request("good", list(range(100, 140)))
+    scheduler.add_request(bad)
+    scheduler.add_request(good)
+    outputs = run_to_completion(scheduler)
+    finals = {o.request_id: o for o in outputs if o.finish_reason is not None}
+    assert finals["bad"].finish_reason == FinishReason.ERROR
+    assert finals["good"].finish_reason == FinishReason.LENGTH
+    assert bad.status == RequestStatus.FINISHED_ERROR
+    assert not scheduler.requests
+
+
+def test_hook_names_match_feature_methods() -> None:
+    assert set(HOOKS) <= {
+        name for name, _ in inspect.getmembers(Feature, inspect.isfunction)
+    }

@@ -1,0 +1,351 @@
+"""Beam search inside the engine, beams forking their parent's KV blocks.
+
+A beam group starts from one root request (``extra_args["kvreuse_beam"]``)
+that the frontend sends instead of one request per beam per step. Each step,
+every live beam is one internal request (:mod:`vllm_kvreuse.core.internal`)
+of ``max_tokens=1`` whose prompt is the beam's tokens; it names its parent
+beam (``kvreuse_parent``), so the core layer hands it the parent's blocks
+(full blocks by reference, the partial tail copy-on-write) and it computes
+one token. Its log-probs feed :func:`vllm_kvreuse.beam.policy.expand`; the
+next step's beams are spawned inside the engine, with no frontend round trip.
+
+Block ownership:
+- When a beam's request finishes, the ledger holds its computed blocks for
+  the group (owner ``beam``) until its children have run, i.e. until the
+  step after next is selected; beams that die are released then too.
+- Under memory pressure the oldest group's held blocks are released, so held
+  beams can never deadlock the queue; its members then use the prefix cache.
+- When the group ends, fails or is aborted, everything it holds is released
+  and its live members are aborted.
+
+Admission: a step's waiting members are held back unless the free blocks
+cover all of them (one copy-on-write tail block each), oldest group first;
+a step admits nothing counts as memory pressure, so this cannot deadlock.
+
+Outputs: the root's output and members' outputs never reach the client; the
+root's client gets one final output whose ``kv_transfer_params
+["kvreuse_beams"]`` lists the best beams.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
+from vllm_kvreuse.core.feature import Feature
+from vllm_kvreuse.request_args import PARENT
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_kvreuse.core.context import Core
+
+OWNER = "beam"
+RESULT_KEY = "kvreuse_beams"
+_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_OK = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@dataclass(slots=True)
+class BeamGroup:
+    """One beam search: its root request and the beams of the current step."""
+
+    root: Request
+    config: BeamConfig
+    beams: list[Beam]
+    results: dict[str, dict[int, float]] = field(default_factory=dict)
+    completed: list[Any] = field(default_factory=list)
+    previous: list[str] = field(default_factory=list)
+    step: int = 0
+    prefill_stats: Any = None
+    num_forks: int = 0
+    num_copied_blocks: int = 0
+    # Prompt tokens the beams computed. Their outputs never reach the
+    # frontend, so vLLM's own prompt-token metrics do not see them.
+    num_member_computed_tokens: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.root.num_prompt_tokens
+
+    @property
+    def beam_ids(self) -> list[str]:
+        """Requests whose KV the group may hold: last step's and this step's."""
+        return self.previous + [beam.request_id for beam in self.beams]
+
+
+class EngineBeamSearch(Feature):
+    """Runs beam groups; members are internal requests to upstream's loop."""
+
+    name = "beam"
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core)
+        self._groups: dict[str, BeamGroup] = {}  # by root id, oldest first
+        self._member_group: dict[str, BeamGroup] = {}  # live members and roots
+        self._ready: dict[str, BeamGroup] = {}
+        self._parked: list[Request] = []
+
+    # -- requests --------------------------------------------------------------
+
+    def on_add(self, request: Request) -> None:
+        sampling = request.sampling_params
+        config = BeamConfig.from_extra_args(sampling.extra_args if sampling else None)
+        if config is None:
+            return
+        prompt = list(request.prompt_token_ids or [])
+        root_beam = Beam(
+            BeamSearchSequence(orig_prompt=None, tokens=prompt, logprobs=[]),
+            request.request_id,
+        )
+        group = BeamGroup(root=request, config=config, beams=[root_beam])
+        self._groups[request.request_id] = group
+        self._member_group[request.request_id] = group
+
+    def before_free_blocks(self, request: Request) -> None:
+        if request.request_id in self._member_group and request.status in _DONE:
+            self.core.ledger.hold(request, OWNER)
+
+    def on_finish(self, request: Request) -> None:
+        """A root or member that ends otherwise than by its one step ends its
+        group; the root's client is told unless it went away or was already
+        answered (a rejection)."""
+        group = self._member_group.get(request.request_id)
+        if group is None or request.status in _DONE:
+            return
+        is_root = request.request_id == group.root.request_id
+        self._drop(group)
+        if not is_root and request.status != RequestStatus.FINISHED_ABORTED:
+            self._emit(group, FinishReason.ERROR, None)
+
+    def on_abort(self, request_ids: set[str]) -> None:
+        """A client abort of a root whose first step is over ends its group."""
+        for root_id in request_ids & self._groups.keys():
+            if root_id not in self.core.scheduler.requests:
+                self._drop(self._groups[root_id])
+
+    # -- steps -----------------------------------------------------------------
+
+    def before_schedule(self) -> None:
+        self._parked = self._park_groups_that_do_not_fit()
+
+    def after_schedule(self, output: SchedulerOutput) -> None:
+        if self._parked:  # back at the head, in their order
+            self.core.scheduler.waiting.prepend_requests(reversed(self._parked))
+            self._parked = []
+
+    def on_internal_output(self, output: EngineCoreOutput) -> None:
+        self._take(output)
+
+    def filter_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        if self._groups:
+            for engine_outputs in outputs.values():
+                engine_outputs.outputs = [
+                    out
+                    for out in engine_outputs.outputs
+                    if out.request_id not in self._groups or not self._take(out)
+                ]
+        ready, self._ready = self._ready, {}
+        for group in ready.values():
+            try:
+                self._advance(group)
+            except Exception as e:  # one group's failure is that group's
+                self._drop(group)
+                self.core.fail(group.root.request_id, f"beam step failed: {e}")
+
+    def release_under_pressure(self) -> bool:
+        """Held beams may be what blocks the queue's head: let the oldest
+        group's go. Its waiting members then use the prefix cache (correct,
+        slower) instead of waiting forever."""
+        ledger = self.core.ledger
+        for group in self._groups.values():
+            if any(beam_id in ledger for beam_id in group.beam_ids):
+                self._release_held(group.beam_ids)
+                return True
+        return False
+
+    def waiting_summary(self) -> dict[str, int]:
+        return {
+            "groups": len(self._groups),
+            "parked_members": len(self._parked),
+            "held_beam_blocks": self.core.ledger.num_blocks(OWNER),
+        }
+
+    # -- group admission -------------------------------------------------------
+
+    def _park_groups_that_do_not_fit(self) -> list[Request]:
+        """Takes out of the queue, for this step, every waiting member of a
+        group whose step does not fit the free blocks as a whole.
+
+        A member inherits its parent's blocks and needs one new block (its
+        copy-on-write tail), so a step of ``k`` waiting members needs ``k``
+        free blocks. Admitting a step whole means no member holds blocks
+        while its siblings wait for them; groups are considered oldest first.
+        """
+        scheduler = self.core.scheduler
+        if not self._groups or not scheduler.waiting:
+            return []
+        waiting: dict[str, list[Request]] = {}  # root id -> waiting members
+        for request in scheduler.waiting:
+            group = self._member_group.get(request.request_id)
+            if group is not None and request.request_id != group.root.request_id:
+                waiting.setdefault(group.root.request_id, []).append(request)
+        if not waiting:
+            return []
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        parked: list[Request] = []
+        for root_id in self._groups:  # oldest first
+            members = waiting.get(root_id)
+            if not members:
+                continue
+            if len(members) <= free:
+                free -= len(members)
+            else:
+                parked += members
+        if parked:
+            scheduler.waiting.remove_requests(parked)
+        return parked
+
+    # -- group steps -----------------------------------------------------------
+
+    def _take(self, out: EngineCoreOutput) -> bool:
+        """Consumes a root's or member's output; True if it must not reach
+        the client."""
+        group = self._member_group.get(out.request_id)
+        if group is None or out.finish_reason is None:
+            return group is not None
+        del self._member_group[out.request_id]
+        is_root = out.request_id == group.root.request_id
+        if out.finish_reason not in _OK or out.new_logprobs is None:
+            self._drop(group)
+            if is_root:
+                return False  # the engine's own answer: pass it on
+            self._emit(group, out.finish_reason, None, stop_reason=out.stop_reason)
+            return True
+        if is_root:
+            group.prefill_stats = out.prefill_stats
+        elif out.prefill_stats is not None:
+            group.num_member_computed_tokens += out.prefill_stats.num_computed_tokens
+        logprobs = out.new_logprobs
+        group.results[out.request_id] = logprob_row(
+            logprobs.logprob_token_ids[0].tolist(),
+            logprobs.logprobs[0].tolist(),
+            group.config.width,
+        )
+        if len(group.results) == len(group.beams):
+            self._ready[group.root.request_id] = group
+        return True
+
+    def _advance(self, group: BeamGroup) -> None:
+        """Selects the next beams; spawns their requests or ends the group."""
+        if group.root.request_id not in self._groups:
+            return  # dropped meanwhile
+        rows = [group.results.pop(beam.request_id) for beam in group.beams]
+        step = expand(group.beams, rows, group.config)
+        group.completed += step.completed
+        group.step += 1
+        # The previous step's beams have been forked from: their KV can go.
+        self._release_held(group.previous)
+        group.previous = [beam.request_id for beam in group.beams]
+        if group.step >= group.config.max_tokens or not step.beams:
+            final = best(group.completed, [seq for seq, _ in step.beams], group.config)
+            self._emit(group, FinishReason.STOP, final)
+            self._drop(group)
+            return
+        group.beams = [
+            Beam(seq, self._spawn(group, seq.tokens, parent_id, i))
+            for i, (seq, parent_id) in enumerate(step.beams)
+        ]
+
+    def _spawn(
+        self, group: BeamGroup, tokens: list[int], parent_id: str, index: int
+    ) -> str:
+        """Adds the request of one beam of the next step; returns its id."""
+        root = group.root
+        assert root.sampling_params is not None
+        # Shallow: members only read their params, and a deep copy per beam
+        # per step was the largest cost of a step (as vLLM's own internal
+        # beam search, which sets skip_clone).
+        sampling = copy.copy(root.sampling_params)
+        sampling.extra_args = {PARENT: parent_id}
+        request = Request(
+            request_id=f"{root.request_id}-beam{group.step}-{index}",
+            prompt_token_ids=list(tokens),
+            sampling_params=sampling,
+            pooling_params=None,
+            client_index=root.client_index,
+            lora_request=root.lora_request,
+            cache_salt=root.cache_salt,
+            priority=root.priority,
+        )
+        # Every beam starts with the root's prompt: reuse its full-block
+        # hashes and hash only the blocks past them (hashes chain, so the
+        # hasher continues from the last one).
+        scheduler = self.core.scheduler
+        hash_block_size = scheduler.cache_config.hash_block_size or self.core.block_size
+        request.block_hashes = root.block_hashes[
+            : root.num_prompt_tokens // hash_block_size
+        ]
+        request._block_hasher = root._block_hasher
+        request.update_block_hashes()
+        group.num_forks += 1
+        group.num_copied_blocks += bool((len(tokens) - 1) % self.core.block_size)
+        self._member_group[request.request_id] = group
+        self.core.internal.spawn(request, self)
+        return request.request_id
+
+    def _emit(
+        self,
+        group: BeamGroup,
+        finish_reason: FinishReason,
+        beams: list[Any] | None,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """The root's one and only output to its client."""
+        result = None
+        if beams is not None:
+            result = {
+                RESULT_KEY: [
+                    {
+                        "token_ids": seq.tokens[group.prompt_len :],
+                        "cum_logprob": seq.cum_logprob,
+                        "finish_reason": seq.finish_reason or "length",
+                        "stop_reason": seq.stop_reason,
+                    }
+                    for seq in beams
+                ],
+                "forks": group.num_forks,
+                "copied_blocks": group.num_copied_blocks,
+                "member_computed_tokens": group.num_member_computed_tokens,
+            }
+        self.core.emit(
+            group.root.client_index,
+            EngineCoreOutput(
+                request_id=group.root.request_id,
+                new_token_ids=[],
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                kv_transfer_params=result,
+                prefill_stats=group.prefill_stats,
+            ),
+        )
+
+    def _drop(self, group: BeamGroup) -> None:
+        """Forgets ``group``: aborts its live members, releases what it holds."""
+        if self._groups.pop(group.root.request_id, None) is None:
+            return
+        self._ready.pop(group.root.request_id, None)
+        live = [rid for rid, owner in self._member_group.items() if owner is group]
+        for request_id in live:
+            del self._member_group[request_id]
+        self._release_held(group.beam_ids)
+        self.core.abort(r for r in live if r != group.root.request_id)
+
+    def _release_held(self, request_ids: list[str]) -> None:
+        self.core.ledger.release(request_ids)

@@ -1,0 +1,32 @@
+"""Engine-core side of the chunk cache's admin endpoint (:mod:`.admin`).
+
+The store index lives in the engine core's scheduler; the endpoint plugin
+reaches it through this engine-core utility (``call_utility_async``),
+installed by the patch registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+UTILITY = "kvreuse_chunk_cache"
+
+
+def make_chunk_cache_utility(_: None) -> Callable[..., dict[str, Any]]:
+    def kvreuse_chunk_cache(
+        self: Any,
+        action: str,
+        token_ids: list[int] | None = None,
+        system_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """Engine-core utility behind the admin endpoint (typed arguments:
+        vLLM converts them by annotation)."""
+        find = getattr(self.scheduler, "feature", None)
+        feature = find("chunk_cache") if find is not None else None
+        if feature is None:
+            raise ValueError("the chunk cache is not enabled on this server")
+        return feature.admin(action, token_ids, system_token_ids, cache_salt)
+
+    return kvreuse_chunk_cache

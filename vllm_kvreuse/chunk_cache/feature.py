@@ -1,0 +1,184 @@
+"""The chunk cache as a scheduler feature: chunked requests and their fills.
+
+A chunked request arrives with ``extra_args["kvreuse_chunks"]``, the token
+lengths of its chunks (every segment but the question). On arrival:
+
+1. the scheduler side keys each chunk, pins the chunks stored or being
+   filled, and reserves room for the others (:mod:`.scheduler_side`);
+2. one *fill* per missing chunk is spawned as an internal request: a
+   one-token request whose prompt is the chunk alone (after the system
+   prompt in "system" mode), so its KV is chunk-isolated at virtual
+   positions without any attention mask; its KV is saved in the step that
+   finishes its prefill;
+3. the request's blocks are re-hashed under a salt of its own
+   (:func:`~.keys.chunked_salt`), so blocks holding chunk KV never match an
+   ordinary request;
+4. vLLM then loads every chunk into the request's blocks (re-rotated) and
+   prefills only the question, once every chunk is stored.
+
+If room cannot be reserved (a chunk larger than the store, or a store full
+of pinned chunks), the request runs as an ordinary request: never an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
+from vllm_kvreuse.chunk_cache.connector import KVReuseChunkConnector
+from vllm_kvreuse.chunk_cache.keys import chunked_salt
+from vllm_kvreuse.chunk_cache.params import chunk_lengths
+from vllm_kvreuse.chunk_cache.plan import FillSpec
+from vllm_kvreuse.core.feature import Feature
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
+    from vllm_kvreuse.core.context import Core
+
+logger = init_logger(__name__)
+
+
+class ChunkCache(Feature):
+    """Turns chunked requests into chunk loads plus fills of missing chunks."""
+
+    name = "chunk_cache"
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core)
+        connector = core.scheduler.connector
+        if not isinstance(connector, KVReuseChunkConnector):
+            raise ValueError(
+                "--enable-chunk-cache needs vLLM's KV-connector slot for the "
+                "chunk-cache connector; this engine has "
+                f"{type(connector).__name__ if connector else 'none'}"
+            )
+        assert connector.scheduler_side is not None
+        self.side: ChunkScheduler = connector.scheduler_side
+        self._fill_counter = itertools.count()
+        # Tokens of each new chunked request not stored when it arrived: its
+        # prefill stats must not count them as cached, although they are
+        # loaded like stored ones.
+        self._uncached: dict[str, int] = {}
+        self._replan: set[str] = set()
+
+    # -- requests --------------------------------------------------------------
+
+    def on_add(self, request: Request) -> None:
+        lengths = chunk_lengths(request, request.num_prompt_tokens)
+        if lengths is None:
+            return
+        planned = self.side.plan(request, lengths)
+        if planned is None:
+            logger.info(
+                "chunk cache full or chunk too large: request %s runs as an "
+                "ordinary request",
+                request.request_id,
+            )
+            return
+        _, fills, uncached = planned
+        self._start_fills(request, fills)
+        self._rehash(request, chunked_salt(request.cache_salt, self.side.mode, lengths))
+        if uncached:
+            self._uncached[request.request_id] = uncached
+
+    def on_preempt(self, request: Request) -> None:
+        """A preempted chunked request loads its chunks again when resumed."""
+        self._plan_again(request)
+
+    def on_finish(self, request: Request) -> None:
+        if request.request_id in self.side.fills:
+            self._replan.update(self.side.fill_finished(request.request_id))
+        self._uncached.pop(request.request_id, None)
+
+    def extra_hit_tokens(self, request: Request, num_local: int) -> int | None:
+        """Stored chunks past the local hit count as hits (threshold check)."""
+        return self.side.stored_tokens_past(request.request_id, num_local)
+
+    # -- steps -----------------------------------------------------------------
+
+    def before_schedule(self) -> None:
+        if not self._replan:
+            return
+        replan, self._replan = self._replan, set()
+        requests = self.core.scheduler.requests
+        for request_id in replan:
+            request = requests.get(request_id)
+            if request is not None and not request.num_computed_tokens:
+                self._plan_again(request)
+
+    def after_schedule(self, output: SchedulerOutput) -> None:
+        if not self._uncached:
+            return
+        requests = self.core.scheduler.requests
+        for request_id in list(self._uncached):
+            request = requests.get(request_id)
+            stats = request.prefill_stats if request is not None else None
+            if stats is None:
+                self._uncached.pop(request_id)
+            elif stats.num_prompt_tokens:  # upstream set them at first schedule
+                uncached = self._uncached.pop(request_id)
+                stats.set(
+                    num_prompt_tokens=stats.num_prompt_tokens,
+                    num_local_cached_tokens=stats.num_local_cached_tokens,
+                    num_external_cached_tokens=max(
+                        0, stats.num_external_cached_tokens - uncached
+                    ),
+                )
+
+    def waiting_summary(self) -> dict[str, int]:
+        side = self.side
+        return {
+            "chunked_requests": len(side.plans),
+            "fills": len(side.fills),
+            "pinned_chunks": side.index.num_pinned,
+        }
+
+    def admin(self, action: str, *args: Any) -> dict[str, Any]:
+        return self.side.admin(action, *args)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _plan_again(self, request: Request) -> None:
+        """Re-pins ``request``'s chunks and re-fills the missing ones; with no
+        room, it runs on as an ordinary request (it holds no blocks now, so
+        its hashes can change)."""
+        plan = self.side.plans.get(request.request_id)
+        if plan is None:
+            return
+        fills = self.side.repin(request)
+        if fills is None:
+            self._rehash(request, plan.user_salt)
+            return
+        self._start_fills(request, fills)
+
+    def _start_fills(self, request: Request, fills: list[FillSpec]) -> None:
+        plan = self.side.plans.get(request.request_id)
+        salt = plan.user_salt if plan is not None else request.cache_salt
+        for fill in fills:
+            fill_request = Request(
+                request_id=f"kvreuse-fill-{next(self._fill_counter)}-"
+                f"{fill.key.hex()[:12]}",
+                prompt_token_ids=fill.prompt,
+                sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                pooling_params=None,
+                client_index=request.client_index,
+                lora_request=request.lora_request,
+                # The fill's KV is ordinary KV of its prompt.
+                cache_salt=salt,
+                priority=request.priority,
+                block_hasher=request._block_hasher,
+            )
+            self.side.add_fill(fill_request, fill)
+            self.core.internal.spawn(fill_request, self)
+
+    @staticmethod
+    def _rehash(request: Request, cache_salt: str | None) -> None:
+        request.cache_salt = cache_salt
+        request.block_hashes = []
+        request.update_block_hashes()

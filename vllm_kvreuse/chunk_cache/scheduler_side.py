@@ -1,0 +1,363 @@
+"""The chunk cache's scheduler side: the store index and every plan.
+
+Sole owner of the :class:`~vllm_kvreuse.chunk_cache.store.ChunkIndex` (what
+is stored, pinned, reserved) and of the chunked requests' plans and the
+fills that compute missing chunks. The feature
+(:mod:`vllm_kvreuse.chunk_cache.feature`) asks it to plan; vLLM's connector
+calls (through :mod:`.connector`) ask it what to load and save.
+
+Liveness: a chunked request is never admitted before every chunk it needs is
+stored. Until then :meth:`get_num_new_matched_tokens` answers "cannot tell
+yet" (None), so upstream skips it without allocating a block; once all are
+stored the load is synchronous (the worker writes the chunks before the
+step's forward pass). A request therefore never holds blocks while it waits
+for a fill, and a fill never waits for blocks such a request holds. A fill
+that ends without saving its chunk (aborted, failed) leaves its waiters
+planless for that chunk: :meth:`fill_finished` returns them to be planned
+again (a new fill, or the ordinary path if the store cannot take it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import Request
+
+from vllm_kvreuse.chunk_cache.keys import chunk_key, key_hasher, model_identity
+from vllm_kvreuse.chunk_cache.plan import (
+    ChunkMeta,
+    ChunkPlan,
+    FillSpec,
+    LoadSpec,
+    Piece,
+    PlannedChunk,
+    SaveSpec,
+)
+from vllm_kvreuse.chunk_cache.stats import COUNTERS
+from vllm_kvreuse.chunk_cache.store import ChunkIndex
+from vllm_kvreuse.config import KVReuseConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class ChunkScheduler:
+    """Plans, fills and the store index, in the engine core."""
+
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: KVCacheConfig, block_size: int
+    ) -> None:
+        settings = KVReuseConfig.from_vllm_config(vllm_config)
+        self.block_size = block_size
+        self.mode = settings.chunk_attention
+        self._hasher = key_hasher(vllm_config, settings.chunk_cache_hash)
+        self._identity = model_identity(vllm_config, self.mode)
+        kv_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+        bytes_per_token = kv_bytes // (kv_cache_config.num_blocks * block_size)
+        self.index = ChunkIndex(
+            capacity={
+                "device": int(kv_bytes * settings.chunk_cache_device_fraction),
+                "cpu": int(settings.chunk_cache_cpu_gib * 2**30),
+            },
+            bytes_per_token=max(bytes_per_token, 1),
+        )
+        self.plans: dict[str, ChunkPlan] = {}
+        self.fills: dict[str, tuple[FillSpec, Request]] = {}  # by fill request id
+        self._loads: dict[str, int] = {}  # request id -> first position to load
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._admin_pins: set[bytes] = set()
+        self._reported: dict[str, int] = {}
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    # -- planning --------------------------------------------------------------
+
+    def key_salt(self, cache_salt: str | None, lora_request: Any) -> str:
+        return "|".join((cache_salt or "", getattr(lora_request, "lora_name", "")))
+
+    def plan(
+        self, request: Request, lengths: list[int]
+    ) -> tuple[ChunkPlan, list[FillSpec], int] | None:
+        """Keys, pins and reservations for ``request``: its plan, the fills it
+        needs, and how many of its chunk tokens were not stored yet. None,
+        holding nothing, if the store cannot take a missing chunk."""
+        prompt = request.prompt_token_ids or []
+        system = prompt[: lengths[0]] if self.mode == "system" else []
+        salt = self.key_salt(request.cache_salt, request.lora_request)
+        chunks: list[PlannedChunk] = []
+        start = 0
+        for number, length in enumerate(lengths):
+            context = system if number else []
+            tokens = prompt[start : start + length]
+            key = chunk_key(self._hasher, self._identity, salt, context, tokens)
+            chunks.append(PlannedChunk(key, start, length, virtual_start=len(context)))
+            start += length
+        stored = [
+            chunk.length
+            for chunk in chunks
+            if (entry := self.index.get(chunk.key)) is not None and entry.ready
+        ]
+        fills = self.hold_chunks(prompt, chunks)
+        stats = self.index.stats
+        if fills is None:
+            stats.degraded += 1
+            return None
+        stats.hits += len(stored)
+        stats.hit_tokens += sum(stored)
+        stats.misses += len(fills)
+        stats.miss_tokens += sum(fill.length for fill in fills)
+        plan = ChunkPlan(chunks, user_salt=request.cache_salt)
+        self.plans[request.request_id] = plan
+        return plan, fills, plan.end - sum(stored)
+
+    def hold_chunks(
+        self, prompt: list[int], chunks: list[PlannedChunk]
+    ) -> list[FillSpec] | None:
+        """Pins each chunk stored or being filled; reserves room for the others
+        and returns their fills (the caller starts them). None, holding
+        nothing, if the store cannot take one of them."""
+        index = self.index
+        pinned: list[bytes] = []
+        fills: list[FillSpec] = []
+        for chunk in chunks:
+            if index.get(chunk.key) is not None:
+                index.pin(chunk.key)
+                pinned.append(chunk.key)
+            elif index.reserve(chunk.key, chunk.length):
+                context = prompt[: chunk.virtual_start]
+                tokens = prompt[chunk.start : chunk.start + chunk.length]
+                fills.append(FillSpec(chunk.key, [*context, *tokens], len(context)))
+            else:
+                for key in pinned:
+                    index.unpin(key)
+                for fill in fills:
+                    index.drop(fill.key)
+                return None
+        return fills
+
+    def repin(self, request: Request) -> list[FillSpec] | None:
+        """A preempted or re-planned request loads its chunks again: pins
+        them again and returns fills for any no longer stored; None if the
+        store cannot take them (the plan is dropped: the caller runs the
+        request as an ordinary one)."""
+        plan = self.plans.get(request.request_id)
+        if plan is None or plan.pinned:
+            return []
+        fills = self.hold_chunks(request.prompt_token_ids or [], plan.chunks)
+        if fills is None:
+            del self.plans[request.request_id]
+            self.index.stats.degraded += 1
+            return None
+        plan.pinned = True
+        return fills
+
+    def add_fill(self, request: Request, fill: FillSpec) -> None:
+        """``request`` computes ``fill``; its chunk is saved in the step that
+        finishes its prefill."""
+        self.fills[request.request_id] = (fill, request)
+
+    def fill_finished(self, request_id: str) -> list[str]:
+        """A fill left the engine. If it did not save its chunk, the chunk
+        leaves the index and the requests that were waiting for it are
+        unpinned and returned: the caller plans them again."""
+        running = self.fills.pop(request_id, None)
+        if running is None:
+            return []
+        fill = running[0]
+        entry = self.index.get(fill.key)
+        if entry is not None and entry.ready:
+            self.index.unpin(fill.key)
+            return []
+        self.index.drop(fill.key)
+        waiters = [
+            request_id
+            for request_id, plan in self.plans.items()
+            if request_id not in self._loads
+            and any(chunk.key == fill.key for chunk in plan.chunks)
+        ]
+        for request_id in waiters:
+            self._unpin(self.plans[request_id])
+        self.index.stats.replanned += len(waiters)
+        return waiters
+
+    def drop_plan(self, request_id: str) -> ChunkPlan | None:
+        plan = self.plans.pop(request_id, None)
+        if plan is not None:
+            self._unpin(plan)
+        return plan
+
+    def is_ready(self, plan: ChunkPlan) -> bool:
+        return all(
+            (entry := self.index.get(chunk.key)) is not None and entry.ready
+            for chunk in plan.chunks
+        )
+
+    def stored_tokens_past(self, request_id: str, num_local: int) -> int | None:
+        """Tokens of stored chunks past ``num_local``; None without a plan."""
+        plan = self.plans.get(request_id)
+        if plan is None:
+            return None
+        return sum(
+            chunk.length - max(0, min(chunk.length, num_local - chunk.start))
+            for chunk in plan.chunks
+            if (entry := self.index.get(chunk.key)) is not None and entry.ready
+        )
+
+    # -- vLLM's connector calls -------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        plan = self.plans.get(request.request_id)
+        if plan is None or num_computed_tokens >= plan.end:
+            return 0, False
+        if not self.is_ready(plan):
+            return None, False  # a fill is still running: wait, holding nothing
+        return plan.end - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        plan = self.plans.get(request.request_id)
+        if plan is not None and num_external_tokens:
+            self._loads[request.request_id] = plan.end - num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkMeta:
+        meta = ChunkMeta()
+        if self._loads:
+            for request_id, start in self._loads.items():
+                plan = self.plans[request_id]
+                meta.loads.append(
+                    LoadSpec(
+                        request_id, self._block_ids(request_id), _pieces(plan, start)
+                    )
+                )
+                self._unpin(plan)
+            self._loads.clear()
+        if self.fills:
+            self._add_saves(meta, scheduler_output.num_scheduled_tokens)
+        if self.index.pending_ops:
+            meta.ops = self.index.take_ops()
+        return meta
+
+    def _add_saves(self, meta: ChunkMeta, scheduled: dict[str, int]) -> None:
+        """Saves of the fills whose chunk is computed by the end of this step."""
+        for request_id, (fill, request) in self.fills.items():
+            if request_id not in scheduled or self.index.get(fill.key) is None:
+                continue
+            if request.num_computed_tokens + scheduled[request_id] < len(fill.prompt):
+                continue
+            meta.saves.append(
+                SaveSpec(fill.key, self._block_ids(request_id), fill.start, fill.length)
+            )
+            self.index.mark_ready(fill.key)
+
+    def request_finished(self, request: Request) -> None:
+        self._loads.pop(request.request_id, None)
+        self.drop_plan(request.request_id)
+
+    # -- stats and admin -------------------------------------------------------
+
+    def snapshot(self) -> dict[str, int]:
+        """Counter totals and current gauges (O(1): it runs every step)."""
+        index = self.index
+        stats = index.stats
+        return {
+            **{name: getattr(stats, name) for name in COUNTERS},
+            "chunks": len(index.entries),
+            "stored_tokens": index.stored_tokens,
+            "pinned": index.num_pinned,
+            "device_bytes": index.bytes_in("device"),
+            "cpu_bytes": index.bytes_in("cpu"),
+            "fills": len(self.fills),
+        }
+
+    def stats_since_last_report(self) -> dict[str, int] | None:
+        now = self.snapshot()
+        if now == self._reported:
+            return None
+        data = {
+            name: value - self._reported.get(name, 0) if name in COUNTERS else value
+            for name, value in now.items()
+        }
+        self._reported = now
+        return data
+
+    def admin(
+        self,
+        action: str,
+        token_ids: list[int] | None = None,
+        system_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """The admin endpoint's actions: stats, clear, pin, unpin.
+
+        ``pin`` holds a stored chunk (``token_ids``, after
+        ``system_token_ids`` in "system" mode) against eviction until
+        ``unpin``; an admin pin is counted once however often it is asked.
+        """
+        index = self.index
+        if action == "clear":
+            return {"evicted": index.clear()}
+        if action in ("pin", "unpin"):
+            if not token_ids:
+                raise ValueError("token_ids must list the chunk's token ids")
+            context = system_token_ids or [] if self.mode == "system" else []
+            key = chunk_key(
+                self._hasher, self._identity, self.key_salt(cache_salt, None),
+                context, token_ids,
+            )  # fmt: skip
+            entry = index.get(key)
+            if entry is None or not entry.ready:
+                return {"found": False}
+            if action == "pin" and key not in self._admin_pins:
+                self._admin_pins.add(key)
+                index.pin(key)
+            elif action == "unpin" and key in self._admin_pins:
+                self._admin_pins.discard(key)
+                index.unpin(key)
+            return {"found": True, "pinned": entry.pins > 0}
+        if action != "stats":
+            raise ValueError(f"unknown chunk-cache action {action!r}")
+        stats = self.snapshot()
+        looked_up = stats["hits"] + stats["misses"]
+        return {
+            **stats,
+            "hit_rate": stats["hits"] / looked_up if looked_up else 0.0,
+            "device_capacity_bytes": index.capacity["device"],
+            "cpu_capacity_bytes": index.capacity["cpu"],
+        }
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _unpin(self, plan: ChunkPlan) -> None:
+        if plan.pinned:
+            plan.pinned = False
+            for chunk in plan.chunks:
+                self.index.unpin(chunk.key)
+
+    def _block_ids(self, request_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None
+        return list(self._kv_cache_manager.get_block_ids(request_id)[0])
+
+
+def _pieces(plan: ChunkPlan, start: int) -> list[Piece]:
+    """The parts of ``plan``'s chunks at positions ``start`` and later."""
+    pieces = []
+    for chunk in plan.chunks:
+        skip = max(0, start - chunk.start)
+        if skip >= chunk.length:
+            continue
+        pieces.append(
+            Piece(
+                key=chunk.key,
+                src_start=skip,
+                dst_start=chunk.start + skip,
+                count=chunk.length - skip,
+                delta=chunk.start - chunk.virtual_start,
+            )
+        )
+    return pieces

@@ -1,0 +1,258 @@
+"""The scheduler hook layer: one class between vLLM's scheduler and the features.
+
+vLLM picks ``Scheduler`` or ``AsyncScheduler`` (or a user's, or a platform's
+subclass) in ``SchedulerConfig.get_scheduler_cls``; the registered patch
+passes that choice through :func:`compose`, which puts :class:`KVReuseLayer`
+in front of it when a feature is switched on, and returns vLLM's class
+untouched otherwise.
+
+:class:`KVReuseLayer` overrides each upstream method it needs exactly once
+and calls the features' hooks (:mod:`vllm_kvreuse.core.feature`) in
+:data:`~vllm_kvreuse.core.features.FEATURE_ORDER`. Upstream's scheduling
+loop runs unchanged inside ``super()``.
+
+Liveness and containment:
+- a per-request hook that raises fails that request alone
+  (``FinishReason.ERROR``); the engine keeps serving everyone else;
+- a step that preempted, or scheduled nothing while requests waited, is
+  memory pressure: every feature releases the oldest thing it holds, so held
+  blocks can never starve the queue for good;
+- when requests wait and nothing was scheduled, the layer logs what they
+  wait for (rate-limited), so a stall explains itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.core.context import Core
+from vllm_kvreuse.core.feature import HOOKS, Feature, implements
+from vllm_kvreuse.core.features import build_features
+from vllm_kvreuse.core.ledger import Hit
+
+logger = init_logger(__name__)
+
+STALL_LOG_INTERVAL = 10.0  # seconds between "waiting for" lines
+
+
+class KVReuseLayer(Scheduler):
+    """Overrides upstream ``Scheduler`` methods once each; features do the rest."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kvreuse = Core(self, KVReuseConfig.from_vllm_config(self.vllm_config))
+        self.features: list[Feature] = build_features(self.kvreuse)
+        self._hooks: dict[str, list[Feature]] = {
+            hook: [f for f in self.features if implements(f, hook)] for hook in HOOKS
+        }
+        self._last_stall_log = 0.0
+
+    def add_upstream(self, request: Request) -> None:
+        """Queues ``request`` with upstream alone (internal requests)."""
+        super().add_request(request)
+
+    def feature(self, name: str) -> Feature | None:
+        """The enabled feature called ``name`` (engine-core utilities use it)."""
+        return next((f for f in self.features if f.name == name), None)
+
+    # -- requests --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests:  # else a streaming update
+            self._each_for(request, "on_add")
+        super().add_request(request)
+        self.kvreuse.settle()
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        elif request_ids is not None:
+            request_ids = set(request_ids)
+        if self._hooks["on_abort"]:
+            ids = set(self.requests if request_ids is None else request_ids)
+            for feature in self._hooks["on_abort"]:
+                self._guarded(feature.on_abort, ids)
+        finished = super().finish_requests(request_ids, finished_status)
+        self.kvreuse.settle()
+        return finished
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        self._each_for(request, "on_finish")
+        self.kvreuse.internal.retire(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _free_blocks(self, request: Request) -> None:
+        self._each_for(request, "before_free_blocks")
+        super()._free_blocks(request)
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        self._each_for(request, "on_preempt")
+
+    def _get_local_prefix_cache_hit(self, request: Request) -> Hit:
+        ledger = self.kvreuse.ledger
+        if ledger and (inherited := ledger.inherited_hit(request)) is not None:
+            return inherited
+        hit = super()._get_local_prefix_cache_hit(request)
+        if ledger:
+            return ledger.extend_into_tail(request, hit) or hit
+        return hit
+
+    def num_cache_hit_tokens(self, request: Request) -> int | None:
+        """Tokens of ``request`` whose KV it would not compute; None while a
+        KV connector cannot tell yet. Pure lookup: nothing is referenced.
+
+        Sums every source: the local prefix cache (with inherited blocks),
+        then what a feature supplies (the chunk cache) or else what a KV
+        connector reports as loadable.
+        """
+        _, num_local, *_ = self._get_local_prefix_cache_hit(request)
+        for feature in self._hooks["extra_hit_tokens"]:
+            extra = feature.extra_hit_tokens(request, num_local)
+            if extra is not None:
+                return min(num_local + extra, request.num_tokens)
+        if self.connector is None:
+            return num_local
+        # As upstream does: the connector sees the block-aligned local hit and
+        # may supersede its partial tail.
+        aligned = num_local - num_local % self.block_size
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, aligned)
+        if num_external is None:
+            return None
+        return min(max(num_local, aligned + num_external), request.num_tokens)
+
+    # -- steps -----------------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        core = self.kvreuse
+        core.settle()
+        core.internal.drop_retired()
+        core.ledger.released_since_step = False
+        self._each("before_schedule")
+        output = super().schedule(*args, **kwargs)
+        self._each("after_schedule", output)
+        if self._under_pressure(output):
+            self._each("release_under_pressure")
+            self._log_stall(output)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        core = self.kvreuse
+        core.internal.route(outputs)
+        self._each("filter_outputs", outputs)
+        core.settle()
+        core.flush(outputs)
+        return outputs
+
+    def has_requests(self) -> bool:
+        return super().has_requests() or self.kvreuse.has_work()
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        self._each("reset_cache")
+        return super().reset_prefix_cache(*args, **kwargs)
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _each(self, hook: str, *args: Any) -> None:
+        """Calls ``hook`` on every feature implementing it; a raise is logged
+        and contained (the feature must fail the request it concerns)."""
+        for feature in self._hooks[hook]:
+            self._guarded(getattr(feature, hook), *args)
+
+    def _each_for(self, request: Request, hook: str) -> None:
+        """A per-request hook: a raise fails ``request`` alone."""
+        for feature in self._hooks[hook]:
+            try:
+                getattr(feature, hook)(request)
+            except Exception as e:
+                logger.exception("vllm-kvreuse: %s.%s raised", feature.name, hook)
+                self.kvreuse.fail(request.request_id, f"{feature.name}: {e}")
+
+    @staticmethod
+    def _guarded(call: Callable[..., Any], *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception:
+            logger.exception("vllm-kvreuse: %s raised; the step goes on", call)
+
+    def _under_pressure(self, output: SchedulerOutput) -> bool:
+        """The step preempted, or admitted nothing while requests wait."""
+        stalled = not output.num_scheduled_tokens and (
+            bool(self.waiting) or bool(self.kv_holding_waiting)
+        )
+        return bool(output.preempted_req_ids) or stalled
+
+    def _log_stall(self, output: SchedulerOutput) -> None:
+        now = time.monotonic()
+        if output.num_scheduled_tokens or now - self._last_stall_log < (
+            STALL_LOG_INTERVAL
+        ):
+            return
+        self._last_stall_log = now
+        summary = self.kvreuse.waiting_summary()
+        for feature in self._hooks["waiting_summary"]:
+            summary[feature.name] = feature.waiting_summary()
+        logger.info(
+            "vllm-kvreuse: nothing scheduled with %d waiting; waiting for: %s",
+            len(self.waiting) + len(self.kv_holding_waiting),
+            summary,
+        )
+
+
+@functools.cache
+def compose(base: type) -> type:
+    """``base`` with :class:`KVReuseLayer` in front (cached per base)."""
+    if issubclass(base, KVReuseLayer):
+        return base
+    if not issubclass(base, Scheduler):
+        logger.warning(
+            "vllm-kvreuse: scheduler class %s does not derive from vLLM's "
+            "Scheduler; the plugin's scheduler features are off.",
+            base.__qualname__,
+        )
+        return base
+    return type(
+        f"KVReuse{base.__name__}",
+        (KVReuseLayer, base),
+        {"__module__": __name__, "__doc__": f"{base.__qualname__} with vllm-kvreuse."},
+    )
+
+
+FEATURES_ATTR = "kvreuse_features"
+"""Attribute the ``VllmConfig.__post_init__`` patch sets on the scheduler
+config: the features switched on (absent when none is)."""
+
+
+def wrap_get_scheduler_cls(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_scheduler_cls(self: Any) -> type:
+        base = original(self)
+        return compose(base) if getattr(self, FEATURES_ATTR, None) else base
+
+    return get_scheduler_cls
+
+
+def wrap_vllm_config_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __post_init__(self: Any) -> None:
+        original(self)
+        # Validates the settings at start-up, naming a bad one.
+        enabled = KVReuseConfig.from_vllm_config(self).enabled - {"core"}
+        if enabled:
+            self.scheduler_config.kvreuse_features = enabled
+
+    return __post_init__
