@@ -422,6 +422,35 @@ PATCHES: tuple[Patch, ...] = (
         "records a finished request's delivered tokens for continuations.",
         remove_when="FinishReason gains a cache-threshold member.",
     ),
+    # The helper is defined in worker.utils and imported by name into both
+    # model runners, so each binding is wrapped (the V1 runner's is the one
+    # vllm-ascend's NPUModelRunner reaches through super()._update_states).
+    *(
+        Patch(
+            target=f"{module}:copy_kv_cache_blocks_inplace",
+            wrapper="vllm_kvreuse.device.block_copy:wrap_copy_kv_cache_blocks",
+            kind="function",
+            signatures={
+                V0_32_0: "(kv_caches: collections.abc.Iterable[torch.Tensor], "
+                "num_blocks: int, kv_cache_block_copies: collections.abc.Sequence["
+                "vllm.v1.core.kv_cache_utils.KVCacheBlockCopy]) -> None"
+            },
+            why="Copy-on-write tails (continuation, beam forks, partial prefix "
+            "hits) reach the workers as SchedulerOutput.kv_cache_block_copies, "
+            "applied by this helper, which reads cache.device on each layer's "
+            "entry: vllm-ascend keeps a layer's KV as a (k, v) tuple, so it "
+            "raises AttributeError there.",
+            how="Passes each layer's tensors (a tuple's members, a tensor as "
+            "itself) to the original, which copies block rows of each one; "
+            "plain tensors reach it unchanged.",
+            remove_when="vLLM's helper accepts per-layer tuples of tensors.",
+        )
+        for module in (
+            "vllm.v1.worker.utils",
+            "vllm.v1.worker.gpu_model_runner",
+            "vllm.v1.worker.gpu.model_runner",
+        )
+    ),
 )
 
 
