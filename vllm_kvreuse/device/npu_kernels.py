@@ -107,7 +107,8 @@ def gather_sequence(
 
 
 def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
-    """Keys ``[..., H, D]`` moved by ``delta`` positions, in float32.
+    """Keys ``[..., H, D]`` moved by ``delta`` positions, in float32; mutates
+    nothing.
 
     NPU with Triton: vllm-ascend's single-input RoPE kernel
     (``rope_forward_triton_siso``), every key at position ``delta`` of a
@@ -118,7 +119,10 @@ def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
     kernel = _triton_rope() if on_npu(keys) else None
     if kernel is None:
         return torch_ops.rerotate_keys(keys, delta, rope)
-    rows = keys.to(torch.float32).reshape(-1, *keys.shape[-2:]).contiguous()
+    # a copy: the kernel rotates in place, and ``keys`` may be a view of the
+    # stored chunk
+    rows = keys.to(torch.float32, copy=True).reshape(-1, *keys.shape[-2:])
+    rows = rows.contiguous()
     row = rope.cos_sin_cache[delta : delta + 1].to(keys.device)
     positions = torch.zeros(rows.shape[0], dtype=torch.long, device=keys.device)
     rotated = kernel(
