@@ -11,9 +11,11 @@ Rules:
   copies an upstream body.
 - :func:`apply_all` is idempotent and runs in every process that loads the
   plugin (API server, engine core, workers).
-- ``signature`` is the original's signature on vLLM 0.32.0;
-  ``tests/unit/test_patches.py`` fails when upstream changes it, and checks
-  that no module patches vLLM outside this table.
+- ``signatures`` holds the original's signature in each supported vLLM
+  release (:data:`vllm_kvreuse.compat.SUPPORTED_VLLM`);
+  ``tests/unit/test_patches.py`` checks the installed release's, requires one
+  for every supported release, and checks that no module patches vLLM
+  outside this table.
 """
 
 from __future__ import annotations
@@ -35,22 +37,26 @@ Kind = Literal["function", "staticmethod", "classmethod", "new", "subclass"]
 models, whose validators only a subclass can override)."""
 
 ABSENT = "absent"
-"""``signature`` of a "new" patch: the attribute must not exist upstream."""
+"""The signature of a "new" patch: the attribute must not exist upstream."""
+
+V0_32_0 = "0.32.0"
+"""Key of vLLM 0.32.0's signatures (a key of ``compat.SUPPORTED_VLLM``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Patch:
     """One replaced upstream attribute.
 
-    ``target`` is ``"module:Owner.attr"``; ``wrapper`` is
-    ``"module:function"``, a function that takes the original and returns
-    its replacement.
+    ``target`` is ``"module:Owner.attr"`` (``"module:attr"`` for a module's
+    function); ``wrapper`` is ``"module:function"``, a function that takes
+    the original and returns its replacement. ``signatures`` maps a vLLM
+    release to :func:`signature_of` the original in that release.
     """
 
     target: str
     wrapper: str
     kind: Kind
-    signature: str
+    signatures: dict[str, str]
     why: str
     how: str
     remove_when: str
@@ -138,8 +144,10 @@ PATCHES: tuple[Patch, ...] = (
         target=f"{_ARGS}:EngineArgs.add_cli_args",
         wrapper="vllm_kvreuse.engine_args:wrap_add_cli_args",
         kind="staticmethod",
-        signature="(parser: vllm.utils.argparse_utils.FlexibleArgumentParser) "
-        "-> vllm.utils.argparse_utils.FlexibleArgumentParser",
+        signatures={
+            V0_32_0: "(parser: vllm.utils.argparse_utils.FlexibleArgumentParser) "
+            "-> vllm.utils.argparse_utils.FlexibleArgumentParser"
+        },
         why="`vllm serve --help` must list the plugin's flags; general plugins "
         "have no hook to add CLI arguments.",
         how="Calls the original, then adds a 'vllm-kvreuse' argument group.",
@@ -149,7 +157,7 @@ PATCHES: tuple[Patch, ...] = (
         target=f"{_ARGS}:EngineArgs.from_cli_args",
         wrapper="vllm_kvreuse.engine_args:wrap_from_cli_args",
         kind="classmethod",
-        signature="(cls, args: argparse.Namespace)",
+        signatures={V0_32_0: "(cls, args: argparse.Namespace)"},
         why="EngineArgs only copies its own dataclass fields from the parsed "
         "namespace, so the plugin's flags would be dropped.",
         how="Calls the original, then folds the plugin's flags into "
@@ -160,7 +168,7 @@ PATCHES: tuple[Patch, ...] = (
         target=f"{_ARGS}:EngineArgs.__init__",
         wrapper="vllm_kvreuse.engine_args:wrap_engine_args_init",
         kind="function",
-        signature="sha256:b04e5258010a7129",
+        signatures={V0_32_0: "sha256:b04e5258010a7129"},
         why="LLM(...) passes unknown keyword arguments to EngineArgs, a "
         "dataclass that refuses them.",
         how="Pops the plugin's settings from the keyword arguments and folds "
@@ -171,7 +179,7 @@ PATCHES: tuple[Patch, ...] = (
         target=f"{_ARGS}:AsyncEngineArgs.__init__",
         wrapper="vllm_kvreuse.engine_args:wrap_engine_args_init",
         kind="function",
-        signature="sha256:65d303dd4cfbf265",
+        signatures={V0_32_0: "sha256:65d303dd4cfbf265"},
         why="AsyncEngineArgs is a dataclass of its own with its own __init__.",
         how="As EngineArgs.__init__.",
         remove_when="Same as add_cli_args.",
@@ -180,7 +188,7 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.config.scheduler:SchedulerConfig.get_scheduler_cls",
         wrapper="vllm_kvreuse.core.layer:wrap_get_scheduler_cls",
         kind="function",
-        signature="(self) -> type['SchedulerInterface']",
+        signatures={V0_32_0: "(self) -> type['SchedulerInterface']"},
         why="Setting scheduler_cls to one class would lose vLLM's choice "
         "between Scheduler and AsyncScheduler (and any user or platform "
         "scheduler).",
@@ -206,8 +214,10 @@ PATCHES: tuple[Patch, ...] = (
         "CompletionRequest.to_sampling_params",
         wrapper="vllm_kvreuse.frontend:wrap_to_sampling_params",
         kind="function",
-        signature="(self, max_tokens: int, default_sampling_params: dict | None "
-        "= None) -> vllm.sampling_params.SamplingParams",
+        signatures={
+            V0_32_0: "(self, max_tokens: int, default_sampling_params: dict | None "
+            "= None) -> vllm.sampling_params.SamplingParams"
+        },
         why="cache_hit_threshold, retain_kv and retain_kv_ttl are top-level "
         "request fields; the request model keeps unknown fields but passes "
         "none of them on.",
@@ -221,8 +231,10 @@ PATCHES: tuple[Patch, ...] = (
         "ChatCompletionRequest.to_sampling_params",
         wrapper="vllm_kvreuse.frontend:wrap_to_sampling_params",
         kind="function",
-        signature="(self, max_tokens: int, default_sampling_params: dict) "
-        "-> vllm.sampling_params.SamplingParams",
+        signatures={
+            V0_32_0: "(self, max_tokens: int, default_sampling_params: dict) "
+            "-> vllm.sampling_params.SamplingParams"
+        },
         why="As CompletionRequest.to_sampling_params.",
         how="As CompletionRequest.to_sampling_params.",
         remove_when="As CompletionRequest.to_sampling_params.",
@@ -232,7 +244,7 @@ PATCHES: tuple[Patch, ...] = (
         "OpenAIServingCompletion.completion_stream_generator",
         wrapper="vllm_kvreuse.admission.streaming:wrap_stream_generator",
         kind="function",
-        signature="sha256:319c1f1932ff8c38",
+        signatures={V0_32_0: "sha256:319c1f1932ff8c38"},
         why="The stream generator drops an output with no text and no tokens "
         "even when it carries a finish reason, so a stream rejected on "
         "admission would end without finish_reason 'cache_threshold'.",
@@ -245,7 +257,7 @@ PATCHES: tuple[Patch, ...] = (
         "OpenAIServingChat.chat_completion_stream_generator",
         wrapper="vllm_kvreuse.admission.streaming:wrap_stream_generator",
         kind="function",
-        signature="sha256:da87210e55db4e63",
+        signatures={V0_32_0: "sha256:da87210e55db4e63"},
         why="As OpenAIServingCompletion.completion_stream_generator.",
         how="As OpenAIServingCompletion.completion_stream_generator.",
         remove_when="As OpenAIServingCompletion.completion_stream_generator.",
@@ -254,11 +266,13 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
         wrapper="vllm_kvreuse.frontend:wrap_validate_params",
         kind="function",
-        signature="(self, params: vllm.sampling_params.SamplingParams | "
-        "vllm.pooling_params.PoolingParams, supported_tasks: "
-        "tuple[typing.Literal['generate', 'transcription', 'realtime', "
-        "'embed', 'classify', 'token_embed', 'token_classify', 'plugin', "
-        "'embed&token_classify', 'render'], ...]) -> bool | None",
+        signatures={
+            V0_32_0: "(self, params: vllm.sampling_params.SamplingParams | "
+            "vllm.pooling_params.PoolingParams, supported_tasks: "
+            "tuple[typing.Literal['generate', 'transcription', 'realtime', "
+            "'embed', 'classify', 'token_embed', 'token_classify', 'plugin', "
+            "'embed&token_classify', 'render'], ...]) -> bool | None"
+        },
         why="A bad plugin option in SamplingParams.extra_args must fail in the "
         "caller's process with a clear error, not in the engine.",
         how="Calls the original, then validates the plugin's extra_args keys.",
@@ -289,12 +303,14 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.v1.engine.output_processor:OutputProcessor.add_request",
         wrapper="vllm_kvreuse.continuation.frontend:wrap_add_request",
         kind="function",
-        signature="(self, request: vllm.v1.engine.EngineCoreRequest, "
-        "prompt: str | None, parent_req: "
-        "vllm.v1.engine.parallel_sampling.ParentRequest | None = None, "
-        "request_index: int = 0, queue: "
-        "vllm.v1.engine.output_processor.RequestOutputCollector | None = None) "
-        "-> None",
+        signatures={
+            V0_32_0: "(self, request: vllm.v1.engine.EngineCoreRequest, "
+            "prompt: str | None, parent_req: "
+            "vllm.v1.engine.parallel_sampling.ParentRequest | None = None, "
+            "request_index: int = 0, queue: "
+            "vllm.v1.engine.output_processor.RequestOutputCollector | None = None) "
+            "-> None"
+        },
         why="A continuation names its parent by id, so the frontend must know "
         "each request's engine id, prompt tokens, cache_salt and LoRA.",
         how="Calls the original, then records the new request in the output "
@@ -305,7 +321,7 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.entrypoints.openai.completion.protocol:CompletionRequest",
         wrapper="vllm_kvreuse.frontend:promptless_completion_request",
         kind="subclass",
-        signature="sha256:1eb0754396b7f3d5",
+        signatures={V0_32_0: "sha256:1eb0754396b7f3d5"},
         why="The request model refuses a body without a prompt, but a "
         "continuation, or a chunked prompt sent as `chunks`, leaves it out.",
         how="A subclass overrides the validator validate_prompt_and_prompt_embeds "
@@ -319,11 +335,13 @@ PATCHES: tuple[Patch, ...] = (
         "OpenAIServingCompletion.render_completion_request",
         wrapper="vllm_kvreuse.frontend:wrap_render_completion_request",
         kind="function",
-        signature="(self, request: vllm.entrypoints.openai.completion.protocol."
-        "CompletionRequest) -> list[vllm.inputs.engine.TokensInput | "
-        "vllm.inputs.engine.EmbedsInput | vllm.inputs.engine.MultiModalInput | "
-        "vllm.inputs.engine.EncoderDecoderInput] | "
-        "vllm.entrypoints.serve.engine.protocol.ErrorResponse",
+        signatures={
+            V0_32_0: "(self, request: vllm.entrypoints.openai.completion.protocol."
+            "CompletionRequest) -> list[vllm.inputs.engine.TokensInput | "
+            "vllm.inputs.engine.EmbedsInput | vllm.inputs.engine.MultiModalInput | "
+            "vllm.inputs.engine.EncoderDecoderInput] | "
+            "vllm.entrypoints.serve.engine.protocol.ErrorResponse"
+        },
         why="A body with continuation_of has no prompt of its own (the "
         "parent's tokens plus a suffix), and a chunked prompt must be "
         "tokenised segment by segment.",
@@ -337,12 +355,14 @@ PATCHES: tuple[Patch, ...] = (
         "OpenAIServingChat.render_chat_request",
         wrapper="vllm_kvreuse.frontend:wrap_render_chat_request",
         kind="function",
-        signature="(self, request: vllm.entrypoints.openai.chat_completion.protocol."
-        "ChatCompletionRequest) -> tuple[list[vllm.renderers.chat_utils."
-        "ConversationMessage], list[vllm.inputs.engine.TokensInput | "
-        "vllm.inputs.engine.EmbedsInput | vllm.inputs.engine.MultiModalInput | "
-        "vllm.inputs.engine.EncoderDecoderInput]] | "
-        "vllm.entrypoints.serve.engine.protocol.ErrorResponse",
+        signatures={
+            V0_32_0: "(self, request: vllm.entrypoints.openai.chat_completion.protocol."
+            "ChatCompletionRequest) -> tuple[list[vllm.renderers.chat_utils."
+            "ConversationMessage], list[vllm.inputs.engine.TokensInput | "
+            "vllm.inputs.engine.EmbedsInput | vllm.inputs.engine.MultiModalInput | "
+            "vllm.inputs.engine.EncoderDecoderInput]] | "
+            "vllm.entrypoints.serve.engine.protocol.ErrorResponse"
+        },
         why="As OpenAIServingCompletion.render_completion_request, for chat.",
         how="As OpenAIServingCompletion.render_completion_request; the chat "
         "template is not applied to a continuation.",
@@ -352,7 +372,7 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.entrypoints.llm:LLM.generate_continuation",
         wrapper="vllm_kvreuse.continuation.frontend:make_llm_generate_continuation",
         kind="new",
-        signature=ABSENT,
+        signatures={V0_32_0: ABSENT},
         why="The offline API for continuation requests.",
         how="Adds the method; it builds the child from the parent record and "
         "calls LLM.generate.",
@@ -362,7 +382,7 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.v1.engine.async_llm:AsyncLLM.generate_continuation",
         wrapper="vllm_kvreuse.continuation.frontend:make_async_generate_continuation",
         kind="new",
-        signature=ABSENT,
+        signatures={V0_32_0: ABSENT},
         why="The async API for continuation requests, as the issue names it.",
         how="Adds the method; it waits for a running parent, builds the child "
         "and calls AsyncLLM.generate.",
@@ -372,7 +392,7 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.v1.engine.core:EngineCore.kvreuse_release_expired",
         wrapper="vllm_kvreuse.continuation.engine:make_release_expired_utility",
         kind="new",
-        signature=ABSENT,
+        signatures={V0_32_0: ABSENT},
         why="An idle engine core blocks on its input queue, so retained KV "
         "would outlive its TTL until the next request.",
         how="Adds an engine-core utility; the frontend calls it (through "
@@ -383,7 +403,7 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.v1.engine.core:EngineCore.kvreuse_chunk_cache",
         wrapper="vllm_kvreuse.chunk_cache.engine:make_chunk_cache_utility",
         kind="new",
-        signature=ABSENT,
+        signatures={V0_32_0: ABSENT},
         why="The chunk store's index lives in the scheduler, in the engine "
         "core; the admin endpoint (an endpoint plugin) needs a way to reach it.",
         how="Adds an engine-core utility that the endpoint plugin calls through "
@@ -395,7 +415,7 @@ PATCHES: tuple[Patch, ...] = (
         "BeamSearchOnlineMixin.beam_search",
         wrapper="vllm_kvreuse.beam.frontend:wrap_beam_search",
         kind="function",
-        signature="sha256:c2c239908fcd6434",
+        signatures={V0_32_0: "sha256:c2c239908fcd6434"},
         why="vLLM's beam search runs in the API server and sends one engine "
         "request per beam per step; --engine-beam-search moves the loop into "
         "the engine.",
@@ -408,12 +428,14 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.entrypoints.llm:LLM.beam_search",
         wrapper="vllm_kvreuse.beam.frontend:wrap_llm_beam_search",
         kind="function",
-        signature="(self, prompts: list[vllm.inputs.llm.TokensPrompt | "
-        "vllm.inputs.llm.TextPrompt], params: vllm.sampling_params."
-        "BeamSearchParams, lora_request: list[vllm.lora.request.LoRARequest] | "
-        "vllm.lora.request.LoRARequest | None = None, use_tqdm: bool = False, "
-        "concurrency_limit: int | None = None) -> list[vllm.entrypoints.generate."
-        "beam_search.utils.BeamSearchOutput]",
+        signatures={
+            V0_32_0: "(self, prompts: list[vllm.inputs.llm.TokensPrompt | "
+            "vllm.inputs.llm.TextPrompt], params: vllm.sampling_params."
+            "BeamSearchParams, lora_request: list[vllm.lora.request.LoRARequest] | "
+            "vllm.lora.request.LoRARequest | None = None, use_tqdm: bool = False, "
+            "concurrency_limit: int | None = None) -> list[vllm.entrypoints.generate."
+            "beam_search.utils.BeamSearchOutput]"
+        },
         why="Offline beam search runs the same per-beam-per-step loop as the "
         "server's, in the LLM process.",
         how="With --engine-beam-search (engine_beam_search=True) on, sends one "
@@ -425,9 +447,11 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
         wrapper="vllm_kvreuse.frontend:wrap_new_completion_output",
         kind="function",
-        signature="(self, token_ids: list[int], finish_reason: "
-        "vllm.v1.engine.FinishReason | None, stop_reason: int | str | None) "
-        "-> vllm.outputs.CompletionOutput",
+        signatures={
+            V0_32_0: "(self, token_ids: list[int], finish_reason: "
+            "vllm.v1.engine.FinishReason | None, stop_reason: int | str | None) "
+            "-> vllm.outputs.CompletionOutput"
+        },
         why="FinishReason is a closed IntEnum, so the engine cannot send "
         "'cache_threshold' as a finish reason.",
         how="The scheduler finishes a rejected request as ABORT with "
@@ -435,6 +459,35 @@ PATCHES: tuple[Patch, ...] = (
         "finish_reason 'cache_threshold' and counts it in /metrics. It also "
         "records a finished request's delivered tokens for continuations.",
         remove_when="FinishReason gains a cache-threshold member.",
+    ),
+    # The helper is defined in worker.utils and imported by name into both
+    # model runners, so each binding is wrapped (the V1 runner's is the one
+    # vllm-ascend's NPUModelRunner reaches through super()._update_states).
+    *(
+        Patch(
+            target=f"{module}:copy_kv_cache_blocks_inplace",
+            wrapper="vllm_kvreuse.device.block_copy:wrap_copy_kv_cache_blocks",
+            kind="function",
+            signatures={
+                V0_32_0: "(kv_caches: collections.abc.Iterable[torch.Tensor], "
+                "num_blocks: int, kv_cache_block_copies: collections.abc.Sequence["
+                "vllm.v1.core.kv_cache_utils.KVCacheBlockCopy]) -> None"
+            },
+            why="Copy-on-write tails (continuation, beam forks, partial prefix "
+            "hits) reach the workers as SchedulerOutput.kv_cache_block_copies, "
+            "applied by this helper, which reads cache.device on each layer's "
+            "entry: vllm-ascend keeps a layer's KV as a (k, v) tuple, so it "
+            "raises AttributeError there.",
+            how="Passes each layer's tensors (a tuple's members, a tensor as "
+            "itself) to the original, which copies block rows of each one; "
+            "plain tensors reach it unchanged.",
+            remove_when="vLLM's helper accepts per-layer tuples of tensors.",
+        )
+        for module in (
+            "vllm.v1.worker.utils",
+            "vllm.v1.worker.gpu_model_runner",
+            "vllm.v1.worker.gpu.model_runner",
+        )
     ),
 )
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import vllm_kvreuse
+from vllm_kvreuse.compat import SUPPORTED_VLLM, supported_release
 from vllm_kvreuse.patches import PATCHES, apply_all, is_patched, signature_of
 
 PACKAGE = Path(vllm_kvreuse.__file__).parent
@@ -17,10 +18,28 @@ PACKAGE = Path(vllm_kvreuse.__file__).parent
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target)
 def test_patched_upstream_symbol_has_expected_signature(patch) -> None:
     """Fails when vLLM changes a symbol we wrap: re-check the wrapper then."""
-    assert signature_of(patch.original()) == patch.signature, (
-        f"{patch.target} changed upstream; review {patch.wrapper} and update "
-        "the registry entry"
+    release = supported_release()
+    assert signature_of(patch.original()) == patch.signatures[release], (
+        f"{patch.target} differs from its vLLM {release} signature; review "
+        f"{patch.wrapper} and update the registry entry"
     )
+
+
+def test_every_patch_records_every_supported_release() -> None:
+    """A release added to compat.SUPPORTED_VLLM needs each target's signature."""
+    missing = [
+        (patch.target, release)
+        for patch in PATCHES
+        for release in SUPPORTED_VLLM
+        if release not in patch.signatures
+    ]
+    unknown = [
+        (patch.target, release)
+        for patch in PATCHES
+        for release in patch.signatures
+        if release not in SUPPORTED_VLLM
+    ]
+    assert missing == [] and unknown == []
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target)

@@ -6,6 +6,12 @@ the rotary angle is ``position * inv_freq`` with fixed frequencies and no
 magnitude scaling: vLLM's plain, linear-scaling and Llama-3 rotary
 embeddings. Everything else (YaRN's mscale, LongRoPE's length switch,
 M-RoPE's 3-D positions, ...) is refused at start-up.
+
+A platform plugin may register its own class for a rotary embedding
+(vllm-ascend registers ``AscendRotaryEmbedding`` for ``RotaryEmbedding``
+through vLLM's ``CustomOp.register_oot``): such a subclass computes the
+same rotation with another kernel, so a class is judged by its nearest
+ancestor that vLLM defines.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
 from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
     LinearScalingRotaryEmbedding,
 )
@@ -26,7 +33,9 @@ from vllm.model_executor.layers.rotary_embedding.llama3_rope import (
 from vllm_kvreuse.device.base import Rope
 
 EXACT_ROPES = (RotaryEmbedding, LinearScalingRotaryEmbedding, Llama3RotaryEmbedding)
-"""Rotary embeddings whose angle is linear in the position (type equality)."""
+"""vLLM's rotary embeddings whose angle is linear in the position. vLLM's
+other rotary classes (YaRN, NTK, LongRoPE, ...) subclass these, so
+membership is by the nearest vLLM class, never by ``issubclass``."""
 
 NEOX_ARCHITECTURES = frozenset(
     {
@@ -43,6 +52,23 @@ guessed)."""
 
 class UnsupportedModel(ValueError):
     """The model's keys cannot be moved to another position exactly."""
+
+
+def nearest_vllm_class(cls: type) -> type:
+    """The first class in ``cls``'s method resolution order that vLLM itself
+    defines: ``cls`` for vLLM's own classes, the class a platform plugin's
+    subclass stands in for otherwise."""
+    for klass in cls.__mro__:
+        if klass.__module__.partition(".")[0] == "vllm":
+            return klass
+    return object
+
+
+def is_exact_rope(cls: type) -> bool:
+    """Whether ``cls`` rotates linearly in the position: one of
+    :data:`EXACT_ROPES`, or a platform's subclass of one (not a vLLM
+    subclass such as YaRN, which changes the angles)."""
+    return nearest_vllm_class(cls) in EXACT_ROPES
 
 
 def model_rope(vllm_config: Any) -> Rope:
@@ -66,7 +92,12 @@ def model_rope(vllm_config: Any) -> Rope:
             rope_parameters=getattr(hf_config, "rope_parameters", None),
             dtype=torch.float32,
         )
-    if type(rope) not in EXACT_ROPES:
+        # a CustomOp resolves its platform implementation when built, which
+        # needs the config current
+        apply_rotary = ApplyRotaryEmb(
+            enforce_enable=True, is_neox_style=rope.is_neox_style
+        )
+    if not is_exact_rope(type(rope)):
         raise UnsupportedModel(
             f"the model's rotary embedding {type(rope).__name__} is not linear in "
             "the position, so cached keys cannot be re-rotated exactly"
@@ -76,4 +107,5 @@ def model_rope(vllm_config: Any) -> Rope:
         head_size=rope.head_size,
         rotary_dim=rope.rotary_dim,
         is_neox_style=rope.is_neox_style,
+        apply_rotary=apply_rotary,
     )

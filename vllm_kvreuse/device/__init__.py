@@ -32,6 +32,12 @@ def build_ops(
 ) -> DeviceOps:
     """The device ops over ``kv_caches`` (layer name -> cache, as vLLM
     registers them), in registration order."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "npu":  # vllm-ascend's platform
+        from vllm_kvreuse.device.npu import build_ascend_ops
+
+        return build_ascend_ops(kv_caches, block_size, rope)
     layers = [
         layer_views(forward_context[name], cache, block_size)
         for name, cache in kv_caches.items()

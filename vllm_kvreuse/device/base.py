@@ -60,6 +60,10 @@ class Rope:
     head_size: int
     rotary_dim: int
     is_neox_style: bool
+    # vLLM's ApplyRotaryEmb op, built where the vLLM config is current (a
+    # CustomOp needs it), so a platform's registered kernel rotates; None:
+    # vLLM's torch arithmetic
+    apply_rotary: torch.nn.Module | None = None
 
 
 class DeviceOps(ABC):

@@ -40,17 +40,29 @@ def write_tokens(
 
 
 def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
-    """Keys ``[..., H, D]`` moved by ``delta`` positions, in float32.
+    """Keys ``[..., n, H, D]`` moved by ``delta`` positions, in float32.
 
     One position for the whole tensor, so a chunk's keys of every layer
-    rotate in one pass. The arithmetic is vLLM's own
-    (``ApplyRotaryEmb.forward_static``) with the model's cos/sin table.
+    rotate in one pass. The rotation is vLLM's ``ApplyRotaryEmb`` instance
+    (``rope.apply_rotary``), so the platform's implementation runs (vLLM's
+    CUDA kernel, vllm-ascend's ``npu_rotary_mul``); without one, vLLM's
+    torch arithmetic. Both take ``x`` as ``[(batch,) seq, heads, dim]`` and
+    cos/sin as ``[seq, rotary_dim / 2]``: the one row is repeated per token.
     """
     cos, sin = rope.cos_sin_cache[delta].to(keys.device).chunk(2)
     x = keys.to(torch.float32)
-    rotated = ApplyRotaryEmb.forward_static(
-        x[..., : rope.rotary_dim], cos[None], sin[None], rope.is_neox_style
-    )
+    rot = x[..., : rope.rotary_dim]
+    if rope.rotary_dim < rope.head_size:
+        rot = rot.contiguous()  # kernels take a dense tensor
+    num_tokens = keys.shape[-3]
+    cos = cos.expand(num_tokens, -1).contiguous()
+    sin = sin.expand(num_tokens, -1).contiguous()
+    if rope.apply_rotary is not None:
+        rotated = rope.apply_rotary(rot, cos, sin)
+    else:
+        rotated = ApplyRotaryEmb.forward_static(rot, cos, sin, rope.is_neox_style)
+    if rope.rotary_dim == rope.head_size:
+        return rotated
     return torch.cat((rotated, x[..., rope.rotary_dim :]), dim=-1)
 
 
