@@ -1,0 +1,49 @@
+"""Every place where vllm-kvreuse replaces an upstream vLLM symbol.
+
+vLLM's extension points (general plugins, ``scheduler_cls``,
+``SamplingParams.extra_args``, ``additional_config``) carry most of the
+plugin; what they cannot reach is patched in this package and only here. Each entry
+names its target, why it exists, how it works, and what upstream change
+would let us delete it.
+
+Rules:
+- A patch wraps the original (kept as ``__wrapped__``) and calls it; none
+  copies an upstream body.
+- :func:`apply_all` is idempotent and runs in every process that loads the
+  plugin (API server, engine core, workers).
+- ``signatures`` holds the original's signature in each supported vLLM
+  release (:data:`vllm_kvreuse.compat.SUPPORTED_VLLM`);
+  ``tests/unit/test_patches.py`` checks the installed release's, requires one
+  for every supported release, and checks that no module patches vLLM
+  outside this table.
+"""
+
+from __future__ import annotations
+
+from vllm_kvreuse.patches import engine, serving, startup
+from vllm_kvreuse.patches.registry import (
+    ABSENT,
+    V0_32_0,
+    Patch,
+    is_patched,
+    signature_of,
+)
+from vllm_kvreuse.patches.startup import SCHEDULER_OVERRIDES
+
+__all__ = [
+    "ABSENT",
+    "PATCHES",
+    "SCHEDULER_OVERRIDES",
+    "V0_32_0",
+    "Patch",
+    "apply_all",
+    "is_patched",
+    "signature_of",
+]
+
+PATCHES: tuple[Patch, ...] = (*startup.PATCHES, *serving.PATCHES, *engine.PATCHES)
+
+
+def apply_all() -> list[str]:
+    """Applies every patch not yet applied in this process; returns their targets."""
+    return [patch.target for patch in PATCHES if patch.apply()]

@@ -1,0 +1,131 @@
+"""Patches on the engine clients, the engine core and the workers."""
+
+from __future__ import annotations
+
+from vllm_kvreuse.patches.registry import ABSENT, V0_32_0, Patch
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
+        wrapper="vllm_kvreuse.frontend:wrap_validate_params",
+        kind="function",
+        signatures={
+            V0_32_0: "(self, params: vllm.sampling_params.SamplingParams | "
+            "vllm.pooling_params.PoolingParams, supported_tasks: "
+            "tuple[typing.Literal['generate', 'transcription', 'realtime', "
+            "'embed', 'classify', 'token_embed', 'token_classify', 'plugin', "
+            "'embed&token_classify', 'render'], ...]) -> bool | None"
+        },
+        why="A bad plugin option in SamplingParams.extra_args must fail in the "
+        "caller's process with a clear error, not in the engine.",
+        how="Calls the original, then validates the plugin's extra_args keys.",
+        remove_when="vLLM validates plugin extra_args (no hook today).",
+    ),
+    Patch(
+        target="vllm.v1.engine.async_llm:AsyncLLM.__init__",
+        wrapper="vllm_kvreuse.continuation.frontend:wrap_engine_client_init",
+        kind="function",
+        signatures={V0_32_0: "sha256:79a4280ae07a9fb6"},
+        why="Continuation needs one parent registry per engine client, able "
+        "to wake the engine core when a retention expires.",
+        how="Calls the original; with continuation on, gives the output "
+        "processor its registry, bound to the engine-core client.",
+        remove_when="vLLM keeps finished requests' tokens addressable by id.",
+    ),
+    Patch(
+        target="vllm.v1.engine.llm_engine:LLMEngine.__init__",
+        wrapper="vllm_kvreuse.continuation.frontend:wrap_engine_client_init",
+        kind="function",
+        signatures={V0_32_0: "sha256:fe9afe55aa7cc7fc"},
+        why="As AsyncLLM.__init__, for the offline engine (LLM).",
+        how="As AsyncLLM.__init__ (no wake-up: expired parents are released at "
+        "the next step).",
+        remove_when="As AsyncLLM.__init__.",
+    ),
+    Patch(
+        target="vllm.v1.engine.output_processor:OutputProcessor.add_request",
+        wrapper="vllm_kvreuse.continuation.frontend:wrap_add_request",
+        kind="function",
+        signatures={
+            V0_32_0: "(self, request: vllm.v1.engine.EngineCoreRequest, "
+            "prompt: str | None, parent_req: "
+            "vllm.v1.engine.parallel_sampling.ParentRequest | None = None, "
+            "request_index: int = 0, queue: "
+            "vllm.v1.engine.output_processor.RequestOutputCollector | None = None) "
+            "-> None"
+        },
+        why="A continuation names its parent by id, so the frontend must know "
+        "each request's engine id, prompt tokens, cache_salt and LoRA.",
+        how="Calls the original, then records the new request in the output "
+        "processor's parent registry.",
+        remove_when="vLLM keeps finished requests' tokens addressable by id.",
+    ),
+    Patch(
+        target="vllm.v1.engine.core:EngineCore.kvreuse_release_expired",
+        wrapper="vllm_kvreuse.continuation.engine:make_release_expired_utility",
+        kind="new",
+        signatures={V0_32_0: ABSENT},
+        why="An idle engine core blocks on its input queue, so retained KV "
+        "would outlive its TTL until the next request.",
+        how="Adds an engine-core utility; the frontend calls it (through "
+        "call_utility_async) when a retained parent's TTL runs out.",
+        remove_when="vLLM schedules timed work in the engine core.",
+    ),
+    Patch(
+        target="vllm.v1.engine.core:EngineCore.kvreuse_chunk_cache",
+        wrapper="vllm_kvreuse.chunk_cache.engine:make_chunk_cache_utility",
+        kind="new",
+        signatures={V0_32_0: ABSENT},
+        why="The chunk store's index lives in the scheduler, in the engine "
+        "core; the admin endpoint (an endpoint plugin) needs a way to reach it.",
+        how="Adds an engine-core utility that the endpoint plugin calls through "
+        "call_utility_async: stats, clear, pin, unpin.",
+        remove_when="vLLM exposes KV-connector admin calls.",
+    ),
+    Patch(
+        target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
+        wrapper="vllm_kvreuse.frontend:wrap_new_completion_output",
+        kind="function",
+        signatures={
+            V0_32_0: "(self, token_ids: list[int], finish_reason: "
+            "vllm.v1.engine.FinishReason | None, stop_reason: int | str | None) "
+            "-> vllm.outputs.CompletionOutput"
+        },
+        why="FinishReason is a closed IntEnum, so the engine cannot send "
+        "'cache_threshold' as a finish reason.",
+        how="The scheduler finishes a rejected request as ABORT with "
+        "stop_reason 'cache_threshold'; this wrapper turns that pair into "
+        "finish_reason 'cache_threshold' and counts it in /metrics. It also "
+        "records a finished request's delivered tokens for continuations.",
+        remove_when="FinishReason gains a cache-threshold member.",
+    ),
+    # The helper is defined in worker.utils and imported by name into both
+    # model runners, so each binding is wrapped (the V1 runner's is the one
+    # vllm-ascend's NPUModelRunner reaches through super()._update_states).
+    *(
+        Patch(
+            target=f"{module}:copy_kv_cache_blocks_inplace",
+            wrapper="vllm_kvreuse.device.block_copy:wrap_copy_kv_cache_blocks",
+            kind="function",
+            signatures={
+                V0_32_0: "(kv_caches: collections.abc.Iterable[torch.Tensor], "
+                "num_blocks: int, kv_cache_block_copies: collections.abc.Sequence["
+                "vllm.v1.core.kv_cache_utils.KVCacheBlockCopy]) -> None"
+            },
+            why="Copy-on-write tails (continuation, beam forks, partial prefix "
+            "hits) reach the workers as SchedulerOutput.kv_cache_block_copies, "
+            "applied by this helper, which reads cache.device on each layer's "
+            "entry: vllm-ascend keeps a layer's KV as a (k, v) tuple, so it "
+            "raises AttributeError there.",
+            how="Passes each layer's tensors (a tuple's members, a tensor as "
+            "itself) to the original, which copies block rows of each one; "
+            "plain tensors reach it unchanged.",
+            remove_when="vLLM's helper accepts per-layer tuples of tensors.",
+        )
+        for module in (
+            "vllm.v1.worker.utils",
+            "vllm.v1.worker.gpu_model_runner",
+            "vllm.v1.worker.gpu.model_runner",
+        )
+    ),
+)
