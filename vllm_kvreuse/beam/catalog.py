@@ -205,32 +205,34 @@ class SidCatalog:
         """
         nodes = self._check_nodes(nodes)
         level = self.level_of(nodes)
-        dense_rows = torch.zeros_like(nodes, dtype=torch.bool)
-        width = 0
-        for d, table in self.dense.items():
-            at_level = level == d
-            dense_rows |= at_level
-            if bool(at_level.any()):
-                width = max(width, table.table.shape[1])
+        # Rows of each dense level present, and the CSR rows' child counts.
+        dense_rows = {d: (level == d).nonzero().squeeze(1) for d in self.dense}
+        dense_rows = {d: rows for d, rows in dense_rows.items() if len(rows)}
         starts = self.indptr[nodes]
-        counts = torch.where(dense_rows, 0, self.indptr[nodes + 1] - starts)
-        width = max(width, int(counts.max()) if len(nodes) else 0)
-        slots = torch.arange(width, device=nodes.device)
-        edges = starts[:, None] + slots
-        used = slots < counts[:, None]
-        # Clamp so unused slots index something; they are masked right after.
-        edges = edges.clamp_(max=max(len(self.tokens) - 1, 0))
-        tokens = torch.where(used, self.tokens[edges].long(), -1)
-        children = torch.where(used, edges + 1, -1)
-        for d, dense in self.dense.items():
-            rows = (level == d).nonzero().squeeze(1)
-            if len(rows) == 0:
-                continue
+        counts = self.indptr[nodes + 1] - starts
+        for rows in dense_rows.values():
+            counts[rows] = 0
+        csr_width = int(counts.max()) if len(nodes) else 0
+        width = max([csr_width, *(self.dense[d].table.shape[1] for d in dense_rows)])
+        tokens = torch.full((len(nodes), width), -1, device=nodes.device)
+        children = torch.full_like(tokens, -1)
+        if csr_width:
+            slots = torch.arange(csr_width, device=nodes.device)
+            used = slots < counts[:, None]
+            # Clamped so unused slots index something; masked right after.
+            edges = (starts[:, None] + slots).clamp_(max=len(self.tokens) - 1)
+            tokens[:, :csr_width] = torch.where(used, self.tokens[edges].long(), -1)
+            children[:, :csr_width] = torch.where(used, edges + 1, -1)
+        for d, rows in dense_rows.items():
+            dense = self.dense[d]
             table = dense.table[nodes[rows] - self._starts[d]].long()  # [r, span]
             span = table.shape[1]
             span_tokens = torch.arange(span, device=nodes.device) + dense.base
-            tokens[rows, :span] = torch.where(table >= 0, span_tokens, -1)
-            children[rows, :span] = table
+            span_tokens = torch.where(table >= 0, span_tokens, -1)
+            if len(rows) == len(nodes):  # one level: plain slices, no scatter
+                tokens[:, :span], children[:, :span] = span_tokens, table
+            else:
+                tokens[rows, :span], children[rows, :span] = span_tokens, table
         return tokens, children
 
     def child(self, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -255,18 +257,29 @@ class SidCatalog:
         return mask[:, : self.vocab_size]
 
     def mask_logprobs(
-        self, logprobs: torch.Tensor, nodes: torch.Tensor
+        self, logprobs: torch.Tensor, nodes: torch.Tensor, *, inplace: bool = False
     ) -> torch.Tensor:
-        """``logprobs [B, V]`` with -inf outside the catalog (a new tensor).
+        """``logprobs [B, V]`` with -inf outside the catalog.
 
-        Not renormalised: an item's summed log-probs stay its log-probability
-        under the model.
+        A new tensor, or ``logprobs`` itself, overwritten, if ``inplace``
+        (on CPU, allocating a fresh [B, V] costs more than the masking).
+        Not renormalised: an item's summed log-probs stay its
+        log-probability under the model.
         """
         assert logprobs.shape[-1] == self.vocab_size, (
             f"log-prob rows have {logprobs.shape[-1]} columns, the catalog was "
             f"built for a vocabulary of {self.vocab_size}"
         )
-        return logprobs.masked_fill(~self.allowed_mask(nodes), float("-inf"))
+        tokens, _ = self.legal(nodes)
+        values = logprobs.gather(1, tokens.clamp(min=0))
+        values.masked_fill_(tokens < 0, float("-inf"))
+        if inplace:
+            out = logprobs.fill_(float("-inf"))
+        else:
+            out = torch.full_like(logprobs, float("-inf"))
+        # Unused slots point at token 0 with -inf; "amax" lets a real token
+        # 0 win over them whatever the write order (no [B, V] bool mask).
+        return out.scatter_reduce_(1, tokens.clamp(min=0), values, reduce="amax")
 
     def _check_nodes(self, nodes: torch.Tensor) -> torch.Tensor:
         nodes = torch.as_tensor(nodes, device=self.device).long().reshape(-1)
@@ -284,7 +297,8 @@ def _sorted_unique_rows(rows: np.ndarray, vocab_size: int) -> np.ndarray:
         key = np.zeros(num, dtype=np.int64)
         for d in range(depth):
             key = key * vocab_size + rows[:, d]
-        key = np.unique(key)
+        key.sort()  # numpy's unique() hashes int64: several times slower
+        key = key[np.concatenate([[True], key[1:] != key[:-1]])]
         out = np.empty((len(key), depth), dtype=np.int64)
         for d in range(depth - 1, -1, -1):
             key, out[:, d] = np.divmod(key, vocab_size)

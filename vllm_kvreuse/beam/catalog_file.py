@@ -219,9 +219,9 @@ def _read_body(
     newline = chars == ord("\n")
     gap = newline | (chars == ord(" "))
     digit = (chars >= ord("0")) & (chars <= ord("9"))
-    bad = np.flatnonzero(~(gap | digit))
-    if len(bad):
-        line = first + body.count(b"\n", 0, int(bad[0]))
+    allowed = gap | digit
+    if not allowed.all():
+        line = first + body.count(b"\n", 0, int(np.argmin(allowed)))
         raise fail(line, "an item is a list of non-negative integers")
     starts = np.flatnonzero(~gap & np.concatenate([[True], gap[:-1]]))
     ends = np.flatnonzero(~gap & np.concatenate([gap[1:], [True]])) + 1

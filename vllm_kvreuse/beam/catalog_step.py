@@ -169,8 +169,8 @@ def top_k_stable(values: torch.Tensor, k: int) -> torch.Tensor:
     root spans a whole codebook). NaN counts as -inf.
     """
     values = values.masked_fill(values.isnan(), float("-inf"))
-    if k == 0:
-        return torch.empty((len(values), 0), dtype=torch.long, device=values.device)
+    if k == 0 or 4 * k >= values.shape[1]:  # most of the row: sort it all
+        return values.sort(dim=1, descending=True, stable=True).indices[:, :k]
     kth = values.topk(k, dim=1).values[:, -1:]  # the k-th largest value
     above = values > kth
     equal = values == kth
