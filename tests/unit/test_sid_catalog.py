@@ -241,6 +241,11 @@ def test_a_leaf_without_eos_completes_as_it_is() -> None:
         beams, [leaf], logprobs, catalog, with_eos
     ).step.completed
     assert (done.finish_reason, done.stop_reason) == ("stop", EOS)
+    logprobs[0, EOS] = float("-inf")  # the model rules EOS out: still an item
+    out = expand_constrained(beams, [leaf], logprobs, catalog, with_eos)
+    assert [(s.tokens, s.finish_reason) for s in out.step.completed] == [
+        ([9, 1, 2], "length")
+    ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

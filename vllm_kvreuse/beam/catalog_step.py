@@ -20,12 +20,15 @@ candidates are taken over all beams' legal children together, so a beam
 whose node has few children leaves room to its siblings' children; only
 when all live beams together have fewer than ``width`` legal candidates does
 the step return fewer beams. A beam with no legal candidate ends: at a leaf
-without EOS (``eos_token_id`` unset or ``ignore_eos``) it completes as it is,
-with finish reason "length"; elsewhere (all its children at -inf) it is
-dropped.
+(no EOS to take: ``eos_token_id`` unset, ``ignore_eos``, or EOS at -inf) it
+completes as it is, with finish reason "length", since it holds a whole
+item; elsewhere (all its children at -inf) it is dropped.
 
-:func:`step` works on tensors and returns arrays; :func:`expand_constrained`
-wraps it in the policy's ``Beam``/``Step`` objects for the scheduler.
+:func:`step` works on tensors and returns arrays; it is :func:`offers`
+(steps 1-2, on the log-probs' device, ``[B, 2 * width]`` out) then
+:func:`select` (step 3, numpy), which can run in different processes.
+:func:`expand_constrained` wraps it in the policy's ``Beam``/``Step``
+objects for the scheduler.
 """
 
 from __future__ import annotations
@@ -108,13 +111,29 @@ def step(
     nodes: torch.Tensor,
     config: BeamConfig,
 ) -> CatalogStep:
-    """One constrained step (the module's rule), vectorised over beams.
+    """One constrained step (the module's rule), vectorised over beams:
+    :func:`offers` where the log-probs are, then :func:`select` on the CPU.
 
     ``cum_logprobs``: ``[B]`` the beams' cumulative log-probs (float64, as
     the policy's Python floats). Reads its inputs, mutates nothing.
     """
     nodes = torch.as_tensor(nodes, device=catalog.device).long().reshape(-1)
     offered = offers(catalog, logprobs, nodes, config)
+    return select(offered, cum_logprobs, catalog.is_leaf(nodes).cpu().numpy(), config)
+
+
+def select(
+    offered: Offers,
+    cum_logprobs: Sequence[float] | np.ndarray,
+    leaf: np.ndarray,
+    config: BeamConfig,
+) -> CatalogStep:
+    """Step 3 of the rule on the beams' offers; numpy only, no catalog.
+
+    ``leaf``: ``[B]`` bool, the beam's node is a leaf
+    (:meth:`SidCatalog.is_leaf`). The scheduler can run this on offers a
+    worker computed next to the logits.
+    """
     num_beams, k = offered.tokens.shape
     cum = np.asarray(cum_logprobs, dtype=np.float64).reshape(num_beams)
     # Candidates beam by beam, in offer order: the order ``expand`` lists them.
@@ -129,11 +148,14 @@ def step(
     # The same float64 sum as the policy's ``beam.seq.cum_logprob + logprob``.
     scores = cum[parents] + values.astype(np.float64)
     is_eos = children < 0  # only EOS candidates lead to no node
-    # A leaf with nothing to offer (no EOS to take) completes as it is. It
-    # never happens in a step where EOS completes beams, so the two lists
-    # below never mix and each is in beam order.
-    leaf = catalog.is_leaf(nodes).cpu().numpy()
-    stuck = np.flatnonzero(leaf & (np.bincount(parents, minlength=num_beams) == 0))
+    # A leaf with nothing to offer (no EOS to take, or EOS at -inf) holds a
+    # whole item: it completes as it is rather than vanish.
+    offering = np.bincount(parents, minlength=num_beams) > 0
+    stuck = np.flatnonzero(np.asarray(leaf, dtype=bool) & ~offering)
+    done_parents = np.concatenate([parents[is_eos], stuck])
+    done_tokens = np.concatenate([tokens[is_eos], np.full(len(stuck), NO_TOKEN)])
+    done_scores = np.concatenate([scores[is_eos], cum[stuck]])
+    done = np.argsort(done_parents, kind="stable")  # beam order, as ``expand``
     live = np.flatnonzero(~is_eos)
     order = live[rank(scores[live], config.width)]
     return CatalogStep(
@@ -141,11 +163,9 @@ def step(
         tokens=tokens[order],
         cum_logprobs=scores[order],
         nodes=children[order],
-        completed_parents=np.concatenate([parents[is_eos], stuck]),
-        completed_tokens=np.concatenate(
-            [tokens[is_eos], np.full(len(stuck), NO_TOKEN, dtype=np.int64)]
-        ),
-        completed_cum_logprobs=np.concatenate([scores[is_eos], cum[stuck]]),
+        completed_parents=done_parents[done],
+        completed_tokens=done_tokens[done],
+        completed_cum_logprobs=done_scores[done],
     )
 
 
