@@ -12,7 +12,7 @@ uniform at random, the worst case for the trie's size), written in the
   the policy's ranking), from [B, V] log-probs.
 
     .venv/bin/python benchmarks/sid_catalog_micro.py [--items 1000000]
-        [--beams 64 1024] [--device cpu]
+        [--beams 64 1024] [--device cpu] [--threads 1]
 """
 
 from __future__ import annotations
@@ -48,18 +48,21 @@ def write_catalog(path: Path, num_items: int, seed: int = 0) -> None:
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeat: int = 5) -> float:
-    """Fastest wall time of ``fn`` in ms, after a warm-up call (the minimum is
-    the least disturbed by other work on a shared machine)."""
+    """Fastest time of ``fn`` in ms, after a warm-up call (the minimum is the
+    least disturbed by other work on a shared machine). CPU time of this
+    process on CPU (with ``--threads 1``, the work itself, whatever else the
+    machine runs), wall time on CUDA."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     fn()
     times = []
     for _ in range(repeat):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((clock() - start) * 1e3)
     return min(times)
 
 
@@ -68,20 +71,25 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=1_000_000)
     parser.add_argument("--beams", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "catalog.txt"
         write_catalog(path, args.items)
         size_mb = path.stat().st_size / 2**20
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         catalog = load_catalog(path, VOCAB, eos_token_id=0, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         build_s = time.perf_counter() - start
+        build_cpu_s = time.process_time() - cpu_start
     starts = catalog.level_starts.tolist()
     print(
-        f"{args.items:,} items ({size_mb:.0f} MiB file): load + build {build_s:.2f} s; "
+        f"{args.items:,} items ({size_mb:.0f} MiB file): load + build {build_s:.2f} s "
+        f"(CPU {build_cpu_s:.2f} s); "
         f"{catalog.num_items:,} distinct, {catalog.num_nodes:,} nodes, "
         f"{catalog.nbytes / 2**20:.1f} MiB of tensors, dense levels "
         f"{sorted(catalog.dense)}"

@@ -215,6 +215,8 @@ def _read_body(
     """
     body = data[header.body_start :].translate(_SEPARATORS)
     first = header.num_lines + 1  # line number of the body's first line
+    if not body.strip():
+        raise fail(None, "no items")
     chars = np.frombuffer(body, dtype=np.uint8)
     newline = chars == ord("\n")
     gap = newline | (chars == ord(" "))
