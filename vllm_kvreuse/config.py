@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -71,6 +72,22 @@ def parse_separator(value: Any, name: str) -> str:
     if not isinstance(value, str) or not value or value.isspace():
         raise ValueError(f"{name} must be a non-blank string, got {value!r}")
     return value
+
+
+def parse_catalog_path(value: Any, name: str) -> str:
+    """Returns ``value`` as an absolute path to a readable file; ``""`` is off.
+
+    Only checks the file can be read: it is parsed where the engine starts
+    (:func:`vllm_kvreuse.beam.catalog_file.load_catalog`).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a file path, got {value!r}")
+    if not value:
+        return ""
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise ValueError(f"{name}: {value!r} is not a readable file")
+    return path
 
 
 def choice_parser(*choices: str) -> Callable[[Any, str], str]:
@@ -207,6 +224,16 @@ OPTIONS += (
         "the system prompt (the first segment), whose hash joins their key.",
     ),
 )
+OPTIONS += (
+    Option(
+        "sid_catalog",
+        parse_catalog_path,
+        "",
+        "SID catalog file (format: docs/sid_catalog.md), built at start-up "
+        "into a trie that beam-search requests asking for it are constrained "
+        "to. Empty (the default): no catalog.",
+    ),
+)
 OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 
 
@@ -226,6 +253,7 @@ class KVReuseConfig:
     chunk_cache_cpu_gib: float = 0.0
     chunk_cache_hash: str = ""
     chunk_attention: str = "isolated"
+    sid_catalog: str = ""
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVReuseConfig:
