@@ -1,0 +1,170 @@
+"""No request body takes the server down: a table of hostile bodies against a
+live `vllm serve` with every feature on and a small KV pool.
+
+Every answer is 200 or 4xx (an OpenAI error object for 4xx), `/health` stays
+200 throughout, a plain request still works at the end, and the KV pool is
+back to empty (the autouse leak check in conftest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import BLOCK_SIZE
+from tests.e2e.conftest import SERVED_MODEL, Server
+
+pytestmark = pytest.mark.e2e
+
+ALL_FEATURES = (
+    "--engine-beam-search", "--enable-chunk-cache", "--enable-continuation",
+    "--global-cache-hit-threshold", "0", "--retain-kv-ttl", "2",
+    "--max-logprobs", "40", "--num-gpu-blocks-override", "96",
+)  # fmt: skip
+INTERNAL = ("kvreuse_beam", "kvreuse_chunks", "kvreuse_parent", "kvreuse_sealed")
+HUGE = 10**18
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("hostile") / "server.log"
+    with Server(model_dir, *ALL_FEATURES, log_path=log, block_size=BLOCK_SIZE) as srv:
+        yield srv
+
+
+def base(**fields: Any) -> dict[str, Any]:
+    return {"model": SERVED_MODEL, "prompt": "hello", "max_tokens": 4, **fields}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {
+        "model": SERVED_MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}], **fields,
+    }  # fmt: skip
+
+
+WRONG_VALUES = ["x", -1, 0, HUGE, -HUGE, 1e308, float("nan"), [], {}, "", None, True]
+PLUGIN_FIELDS = (
+    "cache_hit_threshold", "retain_kv", "retain_kv_ttl", "continuation_of",
+    "continuation_choice", "continuation_suffix", "continuation_suffix_token_ids",
+    "chunks",
+)  # fmt: skip
+
+BODIES: list[tuple[str, str, dict[str, Any]]] = [
+    *(
+        (f"{field}={value!r}", "/v1/completions", base(**{field: value}))
+        for field in PLUGIN_FIELDS
+        for value in WRONG_VALUES
+    ),
+    *(
+        (f"chat {field}={value!r}", "/v1/chat/completions", chat(**{field: value}))
+        for field in PLUGIN_FIELDS[:3]
+        for value in ("x", -1, HUGE)
+    ),
+    *(
+        (f"xargs {key}={value!r}", "/v1/completions", base(vllm_xargs={key: value}))
+        for key in (*INTERNAL, "kvreuse_unknown")
+        for value in ("x", 5, [1], {"width": 2, "max_tokens": 1, "eos_token_id": 0})
+    ),
+    *(
+        (f"chat vllm_xargs {key}", "/v1/chat/completions", chat(vllm_xargs={key: 1}))
+        for key in INTERNAL
+    ),
+    *(
+        (f"chunks alone={value!r}", "/v1/completions", base(prompt=None, chunks=value))
+        for value in WRONG_VALUES
+    ),
+    ("chunks: empty segment", "/v1/completions", base(prompt=None, chunks=[[1], []])),
+    ("chunks: one segment", "/v1/completions", base(prompt=None, chunks=[[1, 2]])),
+    ("chunks: negative id", "/v1/completions", base(prompt=None, chunks=[[-1], [2]])),
+    ("chunks: huge id", "/v1/completions", base(prompt=None, chunks=[[HUGE], [2]])),
+    ("chunks: floats", "/v1/completions", base(prompt=None, chunks=[[1.5], [2]])),
+    ("chunks: too long", "/v1/completions",
+     base(prompt=None, chunks=[[7] * 2000, [2]])),
+    ("chunks and prompt", "/v1/completions", base(chunks=[[1], [2]])),
+    ("separator: empty segment", "/v1/completions", base(prompt="a####b")),
+    ("separator: only", "/v1/completions", base(prompt="##")),
+    ("suffix ids huge", "/v1/completions",
+     base(prompt=None, continuation_of="nope", continuation_suffix_token_ids=[HUGE])),
+    ("beam n=0", "/v1/completions", base(use_beam_search=True, n=0)),
+    ("beam n=-1", "/v1/completions", base(use_beam_search=True, n=-1)),
+    ("beam n huge", "/v1/completions", base(use_beam_search=True, n=HUGE)),
+    ("beam n=1000", "/v1/completions", base(use_beam_search=True, n=1000)),
+    ("beam max_tokens huge", "/v1/completions",
+     base(use_beam_search=True, n=2, max_tokens=HUGE)),
+    ("beam stream", "/v1/completions",
+     base(use_beam_search=True, n=2, stream=True)),
+    ("beam on chunks", "/v1/completions",
+     base(prompt="a##b##c", use_beam_search=True, n=2)),
+    ("beam with threshold 1", "/v1/completions",
+     base(use_beam_search=True, n=2, cache_hit_threshold=1.0)),
+    ("chat beam stream", "/v1/chat/completions",
+     chat(use_beam_search=True, n=2, stream=True)),
+    ("retain with stream", "/v1/completions",
+     base(retain_kv=True, stream=True, retain_kv_ttl=0.5)),
+]  # fmt: skip
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    # json.dumps turns nan into NaN, which the server may refuse as JSON: fine.
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+@pytest.mark.parametrize(("name", "path", "body"), BODIES, ids=[b[0] for b in BODIES])
+def test_hostile_body_is_answered_and_the_server_serves_on(
+    server: Server, name: str, path: str, body: dict[str, Any]
+) -> None:
+    try:
+        response = post(server, path, body)
+    except ValueError:  # the client refuses to encode nan: nothing was sent
+        return
+    assert response.status_code == 200 or 400 <= response.status_code < 500, (
+        f"{name}: {response.status_code} {response.text[:300]}\n{server.log_tail()}"
+    )
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["message"] and error["code"] == response.status_code
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+CHILD_FIELDS = {
+    "continuation_choice": [-1, "a", HUGE, 1.5, None, [], 3],
+    "continuation_suffix": [5, [], {}, "x" * 5000],
+    "continuation_suffix_token_ids": ["x", [-1], [HUGE], [1.5], [[1]], [1] * 5000],
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [(f, v) for f, values in CHILD_FIELDS.items() for v in values],
+    ids=lambda x: repr(x)[:20],
+)
+def test_hostile_child_of_a_real_parent(server: Server, field: str, value) -> None:
+    parent = post(server, "/v1/completions", base(retain_kv=True, retain_kv_ttl=1))
+    assert parent.status_code == 200
+    child = base(prompt=None, continuation_of=parent.json()["id"], **{field: value})
+    response = post(server, "/v1/completions", child)
+    assert response.status_code == 200 or 400 <= response.status_code < 500, (
+        f"{response.status_code} {response.text[:300]}\n{server.log_tail()}"
+    )
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("key", INTERNAL)
+def test_an_internal_key_is_refused_by_name(server: Server, key: str) -> None:
+    response = post(server, "/v1/completions", base(vllm_xargs={key: "x"}))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert key in error["message"] and error["param"] == key
+
+
+def test_the_server_still_serves_every_feature_afterwards(server: Server) -> None:
+    plain = post(server, "/v1/completions", base())
+    assert plain.status_code == 200
+    chunked = post(server, "/v1/completions", base(prompt="system##doc##question"))
+    assert chunked.status_code == 200
+    beams = post(server, "/v1/completions", base(use_beam_search=True, n=2))
+    assert beams.status_code == 200 and len(beams.json()["choices"]) == 2
