@@ -46,6 +46,7 @@ def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
     rotate in one pass. The arithmetic is vLLM's own
     (``ApplyRotaryEmb.forward_static``) with the model's cos/sin table.
     """
+    assert 0 <= delta < len(rope.cos_sin_cache), f"delta {delta} outside the table"
     cos, sin = rope.cos_sin_cache[delta].to(keys.device).chunk(2)
     x = keys.to(torch.float32)
     rotated = ApplyRotaryEmb.forward_static(
@@ -62,7 +63,7 @@ class TorchOps(DeviceOps):
     def save_chunk(
         self, block_ids: torch.Tensor, start: int, count: int
     ) -> torch.Tensor:
-        blocks, offsets = slots_of(block_ids, start, count, self.block_size)
+        blocks, offsets = self._slots(block_ids, start, count)
         per_layer = [read_tokens(kv, blocks, offsets) for kv in self.layers]
         return torch.stack([torch.stack(pair) for pair in per_layer])
 
@@ -78,7 +79,7 @@ class TorchOps(DeviceOps):
         """On an accelerator all layers' keys rotate in one pass (the cost
         there is kernel launches); on CPU layer by layer, which keeps each
         layer's keys in cache (measured 2.3x faster for a 24-layer model)."""
-        blocks, offsets = slots_of(block_ids, dst_start, count, self.block_size)
+        blocks, offsets = self._slots(block_ids, dst_start, count)
         window = stored[:, :, src_start : src_start + count].to(self.device)
         keys, values = window[:, 0], window[:, 1]
         on_cpu = self.device.type == "cpu"
@@ -89,6 +90,12 @@ class TorchOps(DeviceOps):
             if delta and on_cpu:
                 layer_keys = rerotate_keys(layer_keys, delta, self._rope)
             write_tokens(kv, blocks, offsets, layer_keys, values[layer])
+
+    def _slots(
+        self, block_ids: torch.Tensor, start: int, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.kernel_block_ids(block_ids)
+        return slots_of(table, start, count, self.kernel_block_size)
 
     @property
     def _rope(self) -> Rope:
