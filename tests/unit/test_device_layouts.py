@@ -56,7 +56,7 @@ def descriptor_offsets(
         step *= sizes[axis]
     index = sum(
         torch.arange(size).view([-1 if i == axis else 1 for i in range(5)]) * stride
-        for axis, (size, stride) in enumerate(zip(sizes, strides))
+        for axis, (size, stride) in enumerate(zip(sizes, strides, strict=True))
     )
     return index.permute(0, 1, 3, 2, 4)  # L, B, N, H, C
 
@@ -123,7 +123,8 @@ def test_strides_identify_the_layout_among_all(layout: KVCacheLayout) -> None:
     shape = KVShape(num_layers=2, num_kv_heads=2, head_size=32, dtype=torch.float16)
     cache = allocate(shape, num_blocks=4, block_size=BLOCK, layout=layout)
     found = matching_layouts(next(iter(cache.values())), KVCacheLayout)
-    expected = [m for m in KVCacheLayout if m.layer_view_order == layout.layer_view_order]
+    order = layout.layer_view_order
+    expected = [m for m in KVCacheLayout if m.layer_view_order == order]
     assert found == expected
 
 
@@ -165,7 +166,7 @@ def test_build_ops_reads_the_engines_layout_and_keeps_torch_on_cpu(
         cache_config.kv_cache_layout = "LBHNC"
         assert isinstance(build_ops(caches, layers, BLOCK, None), TorchOps)
         cache_config.kv_cache_layout = "LBNHC"
-        with pytest.raises(UnsupportedKVLayout, match="FLASH_ATTN.*none of LBNHC"):
+        with pytest.raises(UnsupportedKVLayout, match=r"FLASH_ATTN.*none of LBNHC"):
             build_ops(caches, layers, BLOCK, None)
 
 

@@ -27,6 +27,7 @@ backends) is refused with the backend's name, so a layout is never guessed.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -131,7 +132,7 @@ def matching_layouts(
             for axis in layout.layer_view_order
             if cache.shape[axis] > 1
         ]
-        if all(outer >= inner for outer, inner in zip(strides, strides[1:])):
+        if all(outer >= inner for outer, inner in itertools.pairwise(strides)):
             found.append(layout)
     return found
 

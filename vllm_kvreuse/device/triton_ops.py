@@ -162,7 +162,7 @@ def unsupported_reason(layers: Sequence[PagedKV]) -> str | None:
                 reference.shape,
                 reference.stride(),
             ):
-                return f"layer {layer}'s {name} differ from layer 0's in shape or strides"
+                return f"layer {layer}'s {name} differ from layer 0's in layout"
             if (view.data_ptr() - first.keys.data_ptr()) % element:
                 return f"layer {layer}'s {name} are not element-aligned with layer 0's"
     return None
@@ -237,9 +237,10 @@ class TritonOps(DeviceOps):
         delta: int,
         save: bool,
     ) -> None:
-        assert chunk.shape == (len(self.layers), 2, count, self.num_heads, self.head_size), (
-            f"chunk {tuple(chunk.shape)} does not match the cache's layers and heads"
-        )  # fmt: skip
+        expected = (len(self.layers), 2, count, self.num_heads, self.head_size)
+        assert chunk.shape == expected, (
+            f"chunk {tuple(chunk.shape)} does not match the cache's {expected}"
+        )
         if count == 0:
             return
         table = self.kernel_block_ids(block_ids.to(self.device))
