@@ -25,6 +25,7 @@ interpreted variant is built explicitly, so nothing depends on
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +68,7 @@ def move_kernel(
     SAVE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_HD: tl.constexpr,
+    ALIGN: tl.constexpr,  # a power of two dividing every layer offset
 ):
     """Moves ``count`` tokens of layer ``program_id(1)`` between the chunk
     and the paged cache; program ``program_id(0)`` takes ``BLOCK_T`` of them.
@@ -85,8 +87,12 @@ def move_kernel(
     block = tl.load(block_ids_ptr + position // block_size, mask=token_ok, other=0)
     block = block.to(tl.int64)
     slot = (position % block_size).to(tl.int64)
-    keys_base = cache_ptr + tl.load(offsets_ptr + 2 * layer)
-    values_base = cache_ptr + tl.load(offsets_ptr + 2 * layer + 1)
+    # The offsets are loaded, so the compiler cannot see their alignment;
+    # without the hint every cache access would be a 2-byte one.
+    keys_base = cache_ptr + tl.multiple_of(tl.load(offsets_ptr + 2 * layer), ALIGN)
+    values_base = cache_ptr + tl.multiple_of(
+        tl.load(offsets_ptr + 2 * layer + 1), ALIGN
+    )
     cache_k = (
         keys_base
         + (block * k_block + slot * k_token)[:, None]
@@ -197,6 +203,8 @@ class TritonOps(DeviceOps):
             dtype=torch.int64,
             device=self.device,
         )  # fmt: skip
+        # Alignment the compiler may assume of every layer offset (elements).
+        self._align = math.gcd(16, *self._offsets.flatten().tolist())
         _, _, self.num_heads, self.head_size = base.shape
         self._cos_sin = None
         if rope is not None:
@@ -266,6 +274,7 @@ class TritonOps(DeviceOps):
             SAVE=save,
             BLOCK_T=block_t,
             BLOCK_HD=block_hd,
+            ALIGN=self._align,
             num_warps=self.NUM_WARPS,
         )  # fmt: skip
 
