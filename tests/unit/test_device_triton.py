@@ -150,3 +150,50 @@ def test_a_chunk_past_the_block_table_is_refused_before_any_write() -> None:
         fused.load_chunk(torch.tensor([1]), 10, torch.zeros(3, 2, 8, 2, 32), 0, 8, 0)
     after = [kv.keys for kv in fused.layers]
     assert all(map(torch.equal, before, after)), "a refused load wrote to the cache"
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["load", "save"])
+def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
+    """Compiled offline for sm_90 (no GPU needed), at Llama-8B's KV shape, the
+    kernel moves the cache and the chunk with 16-byte vector instructions:
+    the bandwidth target needs them, and losing an alignment hint silently
+    turns them into 2-byte ones. Only the rotation's partner reads (L1 hits
+    of lines just read) stay scalar."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_kvreuse.device.triton_ops import move_kernel
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("Triton was built without its NVIDIA backend")
+    kernel = triton.jit(move_kernel)
+    pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
+                "block_ids_ptr": "*i64", "cos_sin_ptr": "*fp32"}  # fmt: skip
+    constants = dict(NUM_HEADS=8, HEAD_SIZE=128, ROTARY_DIM=128, IS_NEOX=True,
+                     ROTATE=not save, SAVE=save, BLOCK_T=4, BLOCK_HD=1024, ALIGN=16,
+                     c_dim=1, k_dim=1, v_dim=1)  # fmt: skip
+    signature = {
+        name: pointers.get(name, "constexpr" if name in constants else "i32")
+        for name in kernel.arg_names
+    }
+    # What the JIT infers from real arguments: 16-byte aligned pointers and
+    # strides that are multiples of 16 (start and count are not specialised).
+    aligned = [n for n in kernel.arg_names if n not in constants and n != "count"]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
+             if n != "start"}  # fmt: skip
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": TritonOps.NUM_WARPS, "enable_fp_fusion": False},
+    )
+    ptx = compiled.asm["ptx"]
+    stores = re.findall(r"st\.global\.[\w.]+", ptx)
+    loads = re.findall(r"ld\.global\.[\w.]+", ptx)
+    assert stores and set(stores) == {"st.global.v4.b32"}, sorted(set(stores))
+    vector_loads = loads.count("ld.global.v4.b32")
+    assert vector_loads >= 8, f"K and V read in {vector_loads} vector loads"
+    scalar_loads = loads.count("ld.global.b16")
+    assert scalar_loads == (0 if save else 32), "only the partner reads are scalar"
