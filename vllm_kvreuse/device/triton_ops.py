@@ -194,17 +194,15 @@ class TritonOps(DeviceOps):
             raise UnsupportedKVLayout(f"the Triton chunk ops cannot address: {reason}")
         base = self.layers[0].keys
         element = base.element_size()
-        self._offsets = torch.tensor(
-            [
-                [(kv.keys.data_ptr() - base.data_ptr()) // element,
-                 (kv.values.data_ptr() - base.data_ptr()) // element]
-                for kv in self.layers
-            ],
-            dtype=torch.int64,
-            device=self.device,
-        )  # fmt: skip
+        offsets = [
+            (view.data_ptr() - base.data_ptr()) // element
+            for kv in self.layers
+            for view in (kv.keys, kv.values)
+        ]
+        # [L, 2]: where each layer's keys and values start, from layer 0's keys.
+        self._offsets = torch.tensor(offsets, dtype=torch.int64, device=self.device)
         # Alignment the compiler may assume of every layer offset (elements).
-        self._align = math.gcd(16, *self._offsets.flatten().tolist())
+        self._align = math.gcd(16, *offsets)
         _, _, self.num_heads, self.head_size = base.shape
         self._cos_sin = None
         if rope is not None:
