@@ -8,10 +8,10 @@ platform. Nothing outside this folder indexes a KV cache.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvreuse.device.base import DeviceOps, PagedKV, Rope, UnsupportedKVLayout
@@ -26,7 +26,7 @@ __all__ = [
     "build_ops",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def build_ops(
@@ -45,11 +45,21 @@ def build_ops(
     match a layout its backend supports.
     """
     layout = layout or resolved_layout()
+    modules = [forward_context[name] for name in kv_caches]
     layers = [
-        layer_views(forward_context[name], cache, block_size, layout)
-        for name, cache in kv_caches.items()
+        layer_views(module, cache, block_size, layout)
+        for module, cache in zip(modules, kv_caches.values(), strict=True)
     ]
-    return ops_class(layers)(layers, rope, block_size=block_size)
+    ops = ops_class(layers)(layers, rope, block_size=block_size)
+    logger.info(
+        "chunk cache: %s ops over %d layers of %s (layout %s, %d-token blocks)",
+        ops.name,
+        len(layers),
+        modules[0].attn_backend.get_name(),
+        layout.name if layout else "inferred from strides",
+        ops.kernel_block_size,
+    )
+    return ops
 
 
 def ops_class(layers: Sequence[PagedKV]) -> type[DeviceOps]:
