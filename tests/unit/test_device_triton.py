@@ -38,13 +38,16 @@ def make_rope(rotary_dim: int = HEAD_SIZE, neox: bool = True) -> Rope:
 
 
 def content_packed(
-    layout: KVCacheLayout, dtype: torch.dtype, kernel_block_size: int | None = None
+    layout: KVCacheLayout,
+    dtype: torch.dtype,
+    kernel_block_size: int | None = None,
+    device: str = "cpu",
 ) -> list[PagedKV]:
     """Three layers' views of caches from vLLM's allocator, filled with noise
     so that writes to the wrong slot show."""
     shape = KVShape(num_layers=3, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=dtype)
     caches = allocate(shape, 6, 2 * BLOCK if kernel_block_size else BLOCK, layout,
-                      kernel_block_size=kernel_block_size)  # fmt: skip
+                      device, kernel_block_size)  # fmt: skip
     for cache in caches.values():
         cache.copy_(torch.randn(cache.shape))
     return [content_packed_views(cache, HEAD_SIZE) for cache in caches.values()]
@@ -58,7 +61,8 @@ def twins(layers: list[PagedKV], rope: Rope | None, **kwargs) -> tuple:
     def moved(view: torch.Tensor) -> torch.Tensor:
         storage = view.untyped_storage()
         if storage.data_ptr() not in copies:
-            flat = torch.empty(0, dtype=view.dtype).set_(storage)
+            flat = torch.empty(0, dtype=view.dtype, device=view.device)
+            flat.set_(storage)
             copies[storage.data_ptr()] = flat.clone()
         return copies[storage.data_ptr()].as_strided(
             view.shape, view.stride(), view.storage_offset()
@@ -87,7 +91,7 @@ def exercise(reference: TorchOps, fused: TritonOps, delta: int) -> None:
     """Save a window, load a stored chunk at an unaligned position with a
     delta, and compare both ops' saved chunks and whole caches."""
     dtype = reference.layers[0].keys.dtype
-    table = torch.tensor([5, 2, 0, 4])
+    table = torch.tensor([5, 2, 0, 4], device=reference.device)
     saved = reference.save_chunk(table, 3, 37)
     assert torch.equal(fused.save_chunk(table, 3, 37), saved)
     stored = torch.randn(3, 2, 50, HEADS, HEAD_SIZE).to(dtype)
@@ -96,11 +100,17 @@ def exercise(reference: TorchOps, fused: TritonOps, delta: int) -> None:
     assert_same_caches(reference, fused)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=str)
-def test_fused_ops_match_torch_on_every_layout(layout, dtype) -> None:
-    """Neox RoPE over the whole head, every layout vLLM can allocate."""
-    reference, fused = twins(content_packed(layout, dtype), make_rope())
+def test_fused_ops_match_torch_on_every_layout(layout, dtype, device) -> None:
+    """Neox RoPE over the whole head, every layout vLLM can allocate; on CPU
+    in the interpreter, on a GPU compiled."""
+    layers = content_packed(layout, dtype, device=device)
+    reference, fused = twins(layers, make_rope())
     exercise(reference, fused, delta=1000)
 
 
