@@ -1,34 +1,24 @@
-"""Micro-benchmark: re-rotate keys with RoPE + copy into a paged KV cache.
+"""Micro-benchmark: the shipped chunk ops against a plain copy of the same bytes.
 
-Measures what loading one stored chunk into a request's KV slots costs when
-its keys must be moved to new positions (the chunk cache's ``load_chunk``),
-next to copying the same bytes without any work. For each token count it
-times, over all layers (keys and values apart, one cache tensor per layer):
+Times what loading a stored chunk into a request's paged KV slots costs
+(``DeviceOps.load_chunk``: keys re-rotated by a position delta, keys and
+values scattered into the cache) and saving one (``save_chunk``: gathered
+out of the cache), next to ``dst.copy_(src)`` between two contiguous tensors
+of the chunk's size (the bandwidth floor). It calls the ops the connector
+uses, :class:`TorchOps` everywhere and :class:`TritonOps` on CUDA, over KV
+caches built by vLLM's own allocator in the layout a backend gets:
 
-- plain copy: ``dst.copy_(src)`` between preallocated contiguous ``[n, H, D]``
-  tensors on the same device (the bandwidth floor);
-- scatter only: ``cache_k[blocks, offsets] = keys`` (and values) into a
-  paged view ``[num_blocks, block_size, H, D]`` of a ``[2, num_blocks,
-  block_size, H, D]`` cache, slots drawn from shuffled blocks;
-- rotate + scatter (v1): keys re-rotated by a position delta (neox RoPE,
-  float32, from a ``[max_pos, rotary_dim]`` float32 cos/sin cache) with a
-  position per token, layer by layer, then scattered as above (the first
-  version of ``ops.load_chunk``);
-- load_chunk (current): one cos/sin row for the whole chunk; on CUDA all
-  layers' keys rotated in one pass, on CPU layer by layer (as
-  ``ops.load_chunk`` does now), then scattered.
+- ``--backend FLASH_ATTN`` (default on CUDA; also TRITON_ATTN, FLEX_ATTENTION,
+  FLASHINFER): ``[blocks, H, N, 2D]`` views in ``--layout`` (default LBNHC,
+  what vLLM resolves for them on Hopper);
+- ``--backend CPU_ATTN`` (default on CPU): the ``vec`` kernels' packing.
 
-It needs torch alone: the arithmetic mirrors ``vllm_kvreuse/ops.py``
-(``rerotate_keys`` -> vLLM's ``ApplyRotaryEmb.forward_static``;
-``write_tokens``; ``load_chunk``) op for op, re-implemented here so that it
-runs where vLLM is not installed. The v1 variant mirrors the first version of
-``ops`` (a position per token through ``RotaryEmbedding.forward_static``).
+The request's blocks are drawn shuffled from a pool twice its size. "MB" is
+the chunk's payload (K + V, all layers), counted once; GB/s is that payload
+over the median time, and "% copy" the copy's time over the op's.
 
-    python benchmarks/rerotate_copy_micro.py --device cuda --dtype float16
+    python benchmarks/rerotate_copy_micro.py --device cuda --model llama-8b
     .venv/bin/python benchmarks/rerotate_copy_micro.py --device cpu
-
-Bytes moved counts the payload once (K + V, all layers), not read + write;
-GB/s is that payload over the measured time.
 """
 
 from __future__ import annotations
@@ -37,139 +27,52 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from vllm_kvreuse.device import DeviceOps, PagedKV, Rope
+from vllm_kvreuse.device.layouts import content_packed_views, cpu_attn_views
+from vllm_kvreuse.device.torch_ops import TorchOps
+from vllm_kvreuse.testing.kv_caches import KVShape, allocate
 
 DTYPES = {
-    "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+MODELS = {
+    # layers, KV heads, head size, RoPE base
+    "qwen2-0.5b": (24, 2, 64, 1e6),
+    "llama-8b": (32, 8, 128, 5e5),
 }
 
 
-def cos_sin_cache(
-    max_pos: int, rotary_dim: int, base: float, device: torch.device
-) -> torch.Tensor:
-    """``[max_pos, rotary_dim]`` float32: cos in the first half, sin after."""
-    inv_freq = 1.0 / (
-        base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-    )
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+def rope_table(head_size: int, max_pos: int, base: float, device) -> Rope:
+    """Neox RoPE over the whole head: ``[max_pos, head_size]`` cos | sin."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2) / head_size)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    table = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    return Rope(table, head_size, head_size, is_neox_style=True)
 
 
-def rerotate_keys(
-    keys: torch.Tensor,
-    delta: torch.Tensor,
-    cache: torch.Tensor,
-    head_size: int,
-    rotary_dim: int,
-) -> torch.Tensor:
-    """Keys ``[n, H, D]`` moved by ``delta[i]`` positions each, in float32.
-
-    The first ``ops.rerotate_keys``: vLLM's ``forward_static`` inlined (neox).
-    """
-    num_tokens = keys.shape[0]
-    flat = keys.reshape(num_tokens, -1).to(torch.float32)
-    positions = delta.to(torch.long).flatten()
-    cos_sin = cache.to(flat.device).index_select(0, positions)
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    key = flat.view(num_tokens, -1, head_size)
-    key_rot = key[..., :rotary_dim]
-    key_pass = key[..., rotary_dim:]
-    cos = cos.unsqueeze(-2).to(key_rot.dtype)
-    sin = sin.unsqueeze(-2).to(key_rot.dtype)
-    x1, x2 = torch.chunk(key_rot, 2, dim=-1)
-    key_rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    rotated = torch.cat((key_rot, key_pass), dim=-1).reshape(flat.shape)
-    return rotated.view(keys.shape)
+def paged_layers(args, shape: KVShape, num_blocks: int) -> list[PagedKV]:
+    """Views of caches allocated as a worker of ``args.backend`` gets them."""
+    if args.backend == "CPU_ATTN":
+        caches = allocate(shape, num_blocks, args.block_size, KVCacheLayout.LBHNC)
+        return [cpu_attn_views(c, args.block_size, "vec") for c in caches.values()]
+    layout = KVCacheLayout[args.layout]
+    caches = allocate(shape, num_blocks, args.block_size, layout, args.device)
+    return [content_packed_views(c, shape.head_size) for c in caches.values()]
 
 
-def rerotate_const(
-    keys: torch.Tensor, delta: int, cache: torch.Tensor, rotary_dim: int
-) -> torch.Tensor:
-    """``ops.rerotate_keys`` now: one position for all of ``keys [..., H, D]``."""
-    cos, sin = cache[delta].chunk(2)
-    x = keys.to(torch.float32)
-    x1, x2 = torch.chunk(x[..., :rotary_dim], 2, dim=-1)
-    cos, sin = cos[None, None], sin[None, None]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
-
-
-def write_tokens(
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    blocks: torch.Tensor,
-    offsets: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
-    """``ops.write_tokens``: ``[n, H, D]`` keys and values into the slots."""
-    cache_k[blocks, offsets] = keys.to(cache_k.dtype)
-    cache_v[blocks, offsets] = values.to(cache_v.dtype)
-
-
-@dataclass
-class Case:
-    """Tensors of one token count: sources, copy targets, paged caches."""
-
-    src_k: list[torch.Tensor]
-    src_v: list[torch.Tensor]
-    dst_k: list[torch.Tensor]
-    dst_v: list[torch.Tensor]
-    src_k_all: torch.Tensor  # [layers, n, H, D], as the chunk store keeps them
-    caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, H, D]
-    blocks: torch.Tensor
-    offsets: torch.Tensor
-    nbytes: int
-
-
-def make_case(args: argparse.Namespace, tokens: int, device: torch.device) -> Case:
-    dtype = DTYPES[args.dtype]
-    shape = (tokens, args.kv_heads, args.head_size)
-    token_bytes = args.kv_heads * args.head_size * torch.finfo(dtype).bits // 8
-    gen = torch.Generator().manual_seed(tokens)
-
-    def rand() -> torch.Tensor:
-        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-
-    needed = -(-tokens // args.block_size)
-    num_blocks = 2 * needed  # a pool twice the request; its blocks shuffled
-    block_ids = torch.randperm(num_blocks, generator=gen)[:needed].to(device)
-    positions = torch.arange(tokens, device=device)
-    layers = range(args.layers)
-    return Case(
-        src_k=[rand() for _ in layers],
-        src_v=[rand() for _ in layers],
-        dst_k=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-        dst_v=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-        src_k_all=torch.randn((args.layers, *shape), generator=gen).to(device, dtype),
-        caches=[
-            torch.zeros(
-                (2, num_blocks, args.block_size, args.kv_heads, args.head_size),
-                dtype=dtype,
-                device=device,
-            )
-            for _ in layers
-        ],
-        blocks=block_ids[positions // args.block_size],
-        offsets=positions % args.block_size,
-        nbytes=2 * args.layers * tokens * token_bytes,
-    )
-
-
-def time_it(
-    fn: Callable[[], None], device: torch.device, warmup: int, repeats: int
-) -> float:
-    """Median seconds of one call of ``fn`` (all layers)."""
+def time_it(fn: Callable[[], object], device, warmup: int, repeats: int) -> float:
+    """Median seconds of one call."""
     for _ in range(warmup):
         fn()
     samples = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
+    for _ in range(repeats):
+        if device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -177,176 +80,138 @@ def time_it(
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(repeats):
+        else:
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
-def check_rotation(cache: torch.Tensor, args: argparse.Namespace) -> None:
-    """Rotating by a then b equals rotating by a + b (angles linear in pos)."""
-    gen = torch.Generator().manual_seed(0)
-    keys = torch.randn((64, args.kv_heads, args.head_size), generator=gen)
-    keys = keys.to(cache.device)
-    a = torch.full((64,), 300, device=cache.device)
-    b = torch.full((64,), 700, device=cache.device)
-    hd, rd = args.head_size, args.rotary_dim
-    twice = rerotate_keys(rerotate_keys(keys, a, cache, hd, rd), b, cache, hd, rd)
-    once = rerotate_keys(keys, a + b, cache, hd, rd)
-    err = (twice - once).abs().max().item()
-    if err > 1e-3:
-        raise SystemExit(f"rotation check failed: max abs error {err}")
+def all_ops(args, layers: list[PagedKV], rope: Rope) -> dict[str, DeviceOps]:
+    ops: dict[str, DeviceOps] = {"torch": TorchOps(layers, rope)}
+    if args.device.type == "cuda":
+        from vllm_kvreuse.device.triton_ops import TritonOps
+
+        ops["triton"] = TritonOps(layers, rope)
+    return ops
 
 
-def run(args: argparse.Namespace) -> list[dict[str, float]]:
-    device = torch.device(args.device)
-    cache = cos_sin_cache(args.max_pos, args.rotary_dim, args.rope_base, device)
-    check_rotation(cache, args)
-    hd, rd = args.head_size, args.rotary_dim
-    rows = []
-    for tokens in args.tokens:
-        case = make_case(args, tokens, device)
+def check_agreement(ops: dict[str, DeviceOps], table, stored, delta) -> None:
+    """Every implementation saves what the torch reference saves after each
+    loads the chunk with a delta (same cache, loaded in turn)."""
+    saved = {}
+    for name, impl in ops.items():
+        impl.load_chunk(table, 0, stored, 0, stored.shape[2], delta)
+        saved[name] = impl.save_chunk(table, 0, stored.shape[2])
+    for name, chunk in saved.items():
+        torch.testing.assert_close(chunk, saved["torch"], msg=f"{name} vs torch")
 
-        def plain_copy(case: Case = case) -> None:
-            for layer in range(args.layers):
-                case.dst_k[layer].copy_(case.src_k[layer])
-                case.dst_v[layer].copy_(case.src_v[layer])
 
-        def scatter(case: Case = case) -> None:
-            for layer, kv in enumerate(case.caches):
-                write_tokens(
-                    kv[0],
-                    kv[1],
-                    case.blocks,
-                    case.offsets,
-                    case.src_k[layer],
-                    case.src_v[layer],
-                )
+def run_model(args, model: str) -> list[dict[str, float | str]]:
+    num_layers, kv_heads, head_size, base = MODELS[model]
+    shape = KVShape(num_layers, kv_heads, head_size, DTYPES[args.dtype])
+    rope = rope_table(head_size, args.delta + 1, base, args.device)
+    return [
+        {"model": model, "tokens": tokens, **measure(args, shape, rope, tokens)}
+        for tokens in args.tokens
+    ]
 
-        def rotate_scatter(case: Case = case, tokens: int = tokens) -> None:
-            # ops.load_chunk: a fresh shift tensor and rotation per layer.
-            for layer, kv in enumerate(case.caches):
-                keys = case.src_k[layer]
-                shift = torch.full((tokens,), args.delta, device=keys.device)
-                keys = rerotate_keys(keys, shift, cache, hd, rd)
-                write_tokens(
-                    kv[0], kv[1], case.blocks, case.offsets, keys, case.src_v[layer]
-                )
 
-        def load_chunk_now(case: Case = case) -> None:
-            # ops.load_chunk: one rotation of all layers on CUDA, per layer on CPU.
-            keys_all = case.src_k_all
-            if device.type != "cpu":
-                keys_all = rerotate_const(keys_all, args.delta, cache, rd)
-            for layer, kv in enumerate(case.caches):
-                keys = keys_all[layer]
-                if device.type == "cpu":
-                    keys = rerotate_const(keys, args.delta, cache, rd)
-                write_tokens(
-                    kv[0], kv[1], case.blocks, case.offsets, keys, case.src_v[layer]
-                )
+def measure(args, shape: KVShape, rope: Rope, tokens: int) -> dict[str, float]:
+    """Payload bytes and median seconds of the copy and of every op."""
+    needed = -(-tokens // args.block_size)
+    layers = paged_layers(args, shape, 2 * needed)
+    gen = torch.Generator().manual_seed(tokens)
+    table = torch.randperm(2 * needed, generator=gen)[:needed].to(args.device)
+    chunk = (shape.num_layers, 2, tokens, shape.num_kv_heads, shape.head_size)
+    stored = torch.randn(chunk, generator=gen).to(args.device, shape.dtype)
+    target = torch.empty_like(stored)
+    ops = all_ops(args, layers, rope)
+    if tokens == args.tokens[0]:
+        check_agreement(ops, table, stored, args.delta)
 
-        t_copy = time_it(plain_copy, device, args.warmup, args.repeats)
-        t_scatter = time_it(scatter, device, args.warmup, args.repeats)
-        t_rot = time_it(rotate_scatter, device, args.warmup, args.repeats)
-        t_now = time_it(load_chunk_now, device, args.warmup, args.repeats)
-        per_1k = 1024 / tokens * 1e6
-        rows.append(
-            {
-                "tokens": tokens,
-                "mb": case.nbytes / 1e6,
-                "copy_gbs": case.nbytes / t_copy / 1e9,
-                "scatter_gbs": case.nbytes / t_scatter / 1e9,
-                "rot_gbs": case.nbytes / t_rot / 1e9,
-                "scatter_ratio": t_scatter / t_copy,
-                "rot_ratio": t_rot / t_copy,
-                "copy_us_1k": t_copy * per_1k,
-                "scatter_us_1k": t_scatter * per_1k,
-                "rot_us_1k": t_rot * per_1k,
-                "now_ratio": t_now / t_copy,
-                "now_us_1k": t_now * per_1k,
-            }
+    def timed(fn: Callable[[], object]) -> float:
+        return time_it(fn, args.device, args.warmup, args.repeats)
+
+    result = {"bytes": stored.nbytes, "copy": timed(lambda: target.copy_(stored))}
+    for name, impl in ops.items():
+        result[f"{name} load"] = timed(
+            lambda impl=impl: impl.load_chunk(table, 0, stored, 0, tokens, args.delta)
         )
-        del case
-    return rows
+        result[f"{name} save"] = timed(
+            lambda impl=impl: impl.save_chunk(table, 0, tokens)
+        )
+    return result
 
 
-def markdown(rows: list[dict[str, float]]) -> str:
+def markdown(rows: list[dict[str, float | str]]) -> str:
+    ops = [k for k in rows[0] if k not in ("model", "tokens", "bytes")]
     header = (
-        "| tokens | MB moved (K+V, all layers) | copy GB/s | scatter GB/s "
-        "| rotate+scatter GB/s | scatter / copy | rotate+scatter / copy "
-        "| copy µs/1K tok | scatter µs/1K tok | rotate+scatter µs/1K tok "
-        "| load_chunk (current) / copy | load_chunk (current) µs/1K tok |"
+        "| model | tokens | MB | "
+        + " | ".join(f"{op} GB/s (% copy)" for op in ops)
+        + " | "
+        + " | ".join(f"{op} µs/1K tok" for op in ops)
+        + " |"
     )
-    lines = [header, "|" + "---:|" * 12]
+    lines = [header, "|---|" + "---:|" * (2 + 2 * len(ops))]
     for r in rows:
-        lines.append(
-            f"| {r['tokens']} | {r['mb']:.1f} | {r['copy_gbs']:.1f} "
-            f"| {r['scatter_gbs']:.1f} | {r['rot_gbs']:.1f} "
-            f"| {r['scatter_ratio']:.1f}x | {r['rot_ratio']:.1f}x "
-            f"| {r['copy_us_1k']:.0f} | {r['scatter_us_1k']:.0f} "
-            f"| {r['rot_us_1k']:.0f} | {r['now_ratio']:.1f}x "
-            f"| {r['now_us_1k']:.0f} |"
-        )
+        cells = [str(r["model"]), str(r["tokens"]), f"{r['bytes'] / 1e6:.1f}"]
+        for op in ops:
+            rate, share = r["bytes"] / r[op] / 1e9, 100 * r["copy"] / r[op]
+            cells.append(f"{rate:.1f} ({share:.0f}%)")
+        cells += [f"{r[op] * 1024 / r['tokens'] * 1e6:.0f}" for op in ops]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu"
-    )
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if cuda else "cpu")  # fmt: skip
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-size", type=int, default=64)
-    parser.add_argument(
-        "--rotary-dim", type=int, default=None, help="default: head size"
-    )
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--backend", default=None,
+                        choices=["FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION",
+                                 "FLASHINFER", "CPU_ATTN"])  # fmt: skip
+    parser.add_argument("--layout", choices=[m.name for m in KVCacheLayout],
+                        default="LBNHC", help="for the CUDA backends")  # fmt: skip
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--delta", type=int, default=1000, help="position shift")
-    parser.add_argument("--max-pos", type=int, default=32768)
-    parser.add_argument("--rope-base", type=float, default=1e6)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
     on_cuda = args.device == "cuda"
     if on_cuda and not cuda:
         parser.error("--device cuda but torch.cuda.is_available() is False")
-    if args.dtype is None:
-        args.dtype = "float16" if on_cuda else "float32"
-    if args.block_size is None:
-        args.block_size = 16 if on_cuda else 32
-    if args.repeats is None:
-        args.repeats = 50 if on_cuda else 10
-    if args.rotary_dim is None:
-        args.rotary_dim = args.head_size
-    if args.rotary_dim % 2 or args.rotary_dim > args.head_size:
-        parser.error("--rotary-dim must be even and at most --head-size")
-    if args.delta >= args.max_pos:
-        parser.error("--delta must be below --max-pos")
+    args.device = torch.device(args.device)
+    args.backend = args.backend or ("FLASH_ATTN" if on_cuda else "CPU_ATTN")
+    if args.backend == "CPU_ATTN" and on_cuda:
+        parser.error("CPU_ATTN caches live on the CPU")
+    args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    args.tokens = args.tokens or ([1024, 4096, 16384] if on_cuda else [1024, 4096])
+    args.block_size = args.block_size or (16 if on_cuda else 32)
+    args.repeats = args.repeats or (50 if on_cuda else 10)
     return args
 
 
 def main() -> None:
     args = parse_args()
-    if args.device == "cpu":
-        where = f"cpu ({torch.get_num_threads()} threads)"
-    else:
-        where = torch.cuda.get_device_name()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    where = (torch.cuda.get_device_name() if args.device.type == "cuda"
+             else f"cpu ({torch.get_num_threads()} threads)")  # fmt: skip
+    layout = "vec" if args.backend == "CPU_ATTN" else args.layout
     print(
-        f"torch {torch.__version__}, {where}, {args.dtype}, layers={args.layers}, "
-        f"kv_heads={args.kv_heads}, head_size={args.head_size}, "
-        f"rotary_dim={args.rotary_dim}, block_size={args.block_size}, "
-        f"delta={args.delta}, warmup={args.warmup}, repeats={args.repeats} "
-        "(median)"
+        f"torch {torch.__version__}, {where}, {args.dtype}, {args.backend} "
+        f"({layout}), block_size={args.block_size}, delta={args.delta}, "
+        f"warmup={args.warmup}, repeats={args.repeats} (median)\n"
     )
-    print()
-    print(markdown(run(args)))
+    models = list(MODELS) if args.model == "all" else [args.model]
+    print(markdown([row for model in models for row in run_model(args, model)]))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ platform. Nothing outside this folder indexes a KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvreuse.device.base import DeviceOps, PagedKV, Rope, UnsupportedKVLayout
 from vllm_kvreuse.device.layouts import layer_views
@@ -23,23 +26,70 @@ __all__ = [
     "build_ops",
 ]
 
+logger = init_logger(__name__)
+
 
 def build_ops(
     kv_caches: Mapping[str, Any],
     forward_context: Mapping[str, Any],
     block_size: int,
     rope: Rope | None,
+    layout: KVCacheLayout | None = None,
 ) -> DeviceOps:
     """The device ops over ``kv_caches`` (layer name -> cache, as vLLM
-    registers them), in registration order."""
+    registers them), in registration order.
+
+    ``block_size`` is the KV cache manager's. ``layout`` defaults to the one
+    the engine resolved, read from the current vLLM config (set while
+    workers initialise their KV cache); unknown, each cache's strides must
+    match a layout its backend supports.
+    """
     from vllm.platforms import current_platform
 
     if current_platform.device_type == "npu":  # vllm-ascend's platform
         from vllm_kvreuse.device.npu import build_ascend_ops
 
         return build_ascend_ops(kv_caches, block_size, rope)
+
+    layout = layout or resolved_layout()
+    modules = [forward_context[name] for name in kv_caches]
     layers = [
-        layer_views(forward_context[name], cache, block_size)
-        for name, cache in kv_caches.items()
+        layer_views(module, cache, block_size, layout)
+        for module, cache in zip(modules, kv_caches.values(), strict=True)
     ]
-    return TorchOps(layers, rope)
+    ops = ops_class(layers)(layers, rope, block_size=block_size)
+    logger.info(
+        "chunk cache: %s ops over %d layers of %s (layout %s, %d-token blocks)",
+        ops.name,
+        len(layers),
+        modules[0].attn_backend.get_name(),
+        layout.name if layout else "inferred from strides",
+        ops.kernel_block_size,
+    )
+    return ops
+
+
+def ops_class(layers: Sequence[PagedKV]) -> type[DeviceOps]:
+    """TritonOps on CUDA when Triton imports and can address the layers;
+    TorchOps elsewhere (CPU keeps torch: the interpreter is for tests)."""
+    if layers[0].keys.device.type != "cuda":
+        return TorchOps
+    try:
+        from vllm_kvreuse.device.triton_ops import TritonOps, unsupported_reason
+    except ImportError as error:
+        logger.warning("chunk cache: Triton unavailable (%s); torch ops", error)
+        return TorchOps
+    if reason := unsupported_reason(layers):
+        logger.warning("chunk cache: %s; torch ops", reason)
+        return TorchOps
+    return TritonOps
+
+
+def resolved_layout() -> KVCacheLayout | None:
+    """The engine's KV cache layout, if this process knows it yet."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None or config.cache_config.kv_cache_layout is None:
+        return None
+    return config.cache_config.get_resolved_kv_cache_layout()

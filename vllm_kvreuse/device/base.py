@@ -11,7 +11,11 @@ Conventions (shared by every implementation):
   ``values`` are ``[num_blocks, block_size, num_kv_heads, head_size]`` views
   (or tensors) whose storage *is* the cache: writing them writes the cache.
 - A request's position ``p`` lives in block ``block_ids[p // block_size]``
-  at offset ``p % block_size`` (vLLM's slot mapping).
+  at offset ``p % block_size`` (vLLM's slot mapping). ``block_ids`` are the
+  KV cache manager's blocks; when the attention kernels split each into
+  ``kernel_blocks_per_block`` smaller blocks (vLLM's kernel block size), the
+  views hold the kernel blocks and :meth:`DeviceOps.kernel_block_ids` maps
+  one table to the other.
 - Keys in the cache are stored after RoPE; values carry no position.
 - A stored chunk is one tensor ``[num_layers, 2, num_tokens, H, D]`` (keys,
   then values), in the cache's dtype, on the device the store chose.
@@ -72,14 +76,28 @@ class DeviceOps(ABC):
     Invariants: every layer has the same block size, KV heads and head size,
     and one block id names the same block in every layer. Built once; the
     layer views stay valid as long as vLLM's KV caches do.
+
+    ``block_size`` is the KV cache manager's (what block tables count in); it
+    defaults to the views' block size and must be a multiple of it.
     """
 
     name: str = "abstract"
 
-    def __init__(self, layers: Sequence[PagedKV], rope: Rope | None) -> None:
+    def __init__(
+        self,
+        layers: Sequence[PagedKV],
+        rope: Rope | None,
+        *,
+        block_size: int | None = None,
+    ) -> None:
         assert layers, "no attention layer was registered"
         self.layers = list(layers)
         self.rope = rope
+        self._block_size = block_size or self.kernel_block_size
+        assert self._block_size % self.kernel_block_size == 0, (
+            f"manager block size {self._block_size} is not a multiple of the "
+            f"cache's kernel block size {self.kernel_block_size}"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -87,7 +105,27 @@ class DeviceOps(ABC):
 
     @property
     def block_size(self) -> int:
+        """Tokens per block of the block tables callers pass."""
+        return self._block_size
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per block of the layer views (vLLM's kernel block size)."""
         return self.layers[0].block_size
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        return self._block_size // self.kernel_block_size
+
+    def kernel_block_ids(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """``block_ids`` (manager blocks) as the views' blocks: manager block
+        ``b`` is kernel blocks ``b * r .. b * r + r - 1`` (vLLM lays them out
+        so; ``group_kernel_blocks`` in ``vllm/v1/kv_cache_interface.py``)."""
+        ratio = self.kernel_blocks_per_block
+        if ratio == 1:
+            return block_ids
+        split = torch.arange(ratio, device=block_ids.device, dtype=block_ids.dtype)
+        return (block_ids[:, None] * ratio + split).flatten()
 
     @abstractmethod
     def save_chunk(
@@ -112,7 +150,8 @@ class DeviceOps(ABC):
         """Writes tokens ``[src_start, src_start + count)`` of ``stored``
         (``[num_layers, 2, n, H, D]``, on any device) into positions
         ``[dst_start, dst_start + count)`` of the request whose block table is
-        ``block_ids``, keys moved by ``delta`` positions (RoPE).
+        ``block_ids``, keys moved by ``delta`` positions (RoPE; ``0 <= delta``:
+        a chunk never sits before the position it was computed at).
 
         Mutates only those slots, in every layer.
         """

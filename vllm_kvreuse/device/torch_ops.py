@@ -49,6 +49,7 @@ def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
     torch arithmetic. Both take ``x`` as ``[(batch,) seq, heads, dim]`` and
     cos/sin as ``[seq, rotary_dim / 2]``: the one row is repeated per token.
     """
+    assert 0 <= delta < len(rope.cos_sin_cache), f"delta {delta} outside the table"
     cos, sin = rope.cos_sin_cache[delta].to(keys.device).chunk(2)
     x = keys.to(torch.float32)
     rot = x[..., : rope.rotary_dim]
@@ -74,9 +75,14 @@ class TorchOps(DeviceOps):
     def save_chunk(
         self, block_ids: torch.Tensor, start: int, count: int
     ) -> torch.Tensor:
-        blocks, offsets = slots_of(block_ids, start, count, self.block_size)
-        per_layer = [read_tokens(kv, blocks, offsets) for kv in self.layers]
-        return torch.stack([torch.stack(pair) for pair in per_layer])
+        """Gathers straight into the chunk: stacking per-layer copies cost 4x
+        the gather on CPU."""
+        blocks, offsets = self._slots(block_ids, start, count)
+        first = self.layers[0].keys
+        chunk = first.new_empty((len(self.layers), 2, count, *first.shape[2:]))
+        for layer, kv in enumerate(self.layers):
+            chunk[layer, 0], chunk[layer, 1] = read_tokens(kv, blocks, offsets)
+        return chunk
 
     def load_chunk(
         self,
@@ -90,7 +96,7 @@ class TorchOps(DeviceOps):
         """On an accelerator all layers' keys rotate in one pass (the cost
         there is kernel launches); on CPU layer by layer, which keeps each
         layer's keys in cache (measured 2.3x faster for a 24-layer model)."""
-        blocks, offsets = slots_of(block_ids, dst_start, count, self.block_size)
+        blocks, offsets = self._slots(block_ids, dst_start, count)
         window = stored[:, :, src_start : src_start + count].to(self.device)
         keys, values = window[:, 0], window[:, 1]
         on_cpu = self.device.type == "cpu"
@@ -101,6 +107,12 @@ class TorchOps(DeviceOps):
             if delta and on_cpu:
                 layer_keys = rerotate_keys(layer_keys, delta, self._rope)
             write_tokens(kv, blocks, offsets, layer_keys, values[layer])
+
+    def _slots(
+        self, block_ids: torch.Tensor, start: int, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.kernel_block_ids(block_ids)
+        return slots_of(table, start, count, self.kernel_block_size)
 
     @property
     def _rope(self) -> Rope:

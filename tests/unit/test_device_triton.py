@@ -1,0 +1,209 @@
+"""The fused Triton chunk ops against the torch reference, in Triton's
+interpreter on CPU, over every layout vLLM can allocate.
+
+The interpreter executes the kernel's indexing and float32 arithmetic on
+CPU tensors as the GPU would run them (up to fused multiply-add rounding),
+so any difference from :class:`TorchOps` is a bug in the kernel or in how
+its arguments are derived. Shapes stay tiny: each launch runs in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+from vllm_kvreuse.device import PagedKV, Rope
+from vllm_kvreuse.device.layouts import content_packed_views, cpu_attn_views
+from vllm_kvreuse.device.torch_ops import TorchOps
+from vllm_kvreuse.testing.kv_caches import KVShape, allocate
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.runtime.interpreter")
+
+from vllm_kvreuse.device.triton_ops import TritonOps
+
+HEADS, HEAD_SIZE, BLOCK = 2, 32, 16
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def make_rope(rotary_dim: int = HEAD_SIZE, neox: bool = True) -> Rope:
+    with set_current_vllm_config(VllmConfig()):
+        embedding = RotaryEmbedding(
+            HEAD_SIZE, rotary_dim, 4096, 10000.0, neox, dtype=torch.float32
+        )
+    return Rope(embedding.cos_sin_cache, HEAD_SIZE, rotary_dim, neox)
+
+
+def content_packed(
+    layout: KVCacheLayout,
+    dtype: torch.dtype,
+    kernel_block_size: int | None = None,
+    device: str = "cpu",
+) -> list[PagedKV]:
+    """Three layers' views of caches from vLLM's allocator, filled with noise
+    so that writes to the wrong slot show."""
+    shape = KVShape(num_layers=3, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=dtype)
+    caches = allocate(shape, 6, 2 * BLOCK if kernel_block_size else BLOCK, layout,
+                      device, kernel_block_size)  # fmt: skip
+    for cache in caches.values():
+        cache.copy_(torch.randn(cache.shape))
+    return [content_packed_views(cache, HEAD_SIZE) for cache in caches.values()]
+
+
+def twins(layers: list[PagedKV], rope: Rope | None, **kwargs) -> tuple:
+    """TorchOps over ``layers`` and TritonOps over identical copies of their
+    buffers (views with the same strides and offsets)."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def moved(view: torch.Tensor) -> torch.Tensor:
+        storage = view.untyped_storage()
+        if storage.data_ptr() not in copies:
+            flat = torch.empty(0, dtype=view.dtype, device=view.device)
+            flat.set_(storage)
+            copies[storage.data_ptr()] = flat.clone()
+        return copies[storage.data_ptr()].as_strided(
+            view.shape, view.stride(), view.storage_offset()
+        )
+
+    copied = [PagedKV(moved(kv.keys), moved(kv.values)) for kv in layers]
+    return TorchOps(layers, rope, **kwargs), TritonOps(copied, rope, **kwargs)
+
+
+def assert_same_caches(reference: TorchOps, fused: TritonOps) -> None:
+    """Values are copied bit for bit. Keys are rotated in float32 on both
+    paths with the same operations, so they agree exactly, except that
+    Triton's interpreter truncates float32 to bfloat16 where torch (and the
+    GPU's default conversion) rounds to nearest: one bfloat16 ulp at most."""
+    pairs = zip(reference.layers, fused.layers, strict=True)
+    for layer, (want, got) in enumerate(pairs):
+        assert got.keys.data_ptr() != want.keys.data_ptr()
+        assert torch.equal(got.values, want.values), f"layer {layer} values"
+        if want.keys.dtype == torch.bfloat16:
+            torch.testing.assert_close(got.keys, want.keys, rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(got.keys, want.keys), f"layer {layer} keys"
+
+
+def exercise(reference: TorchOps, fused: TritonOps, delta: int) -> None:
+    """Save a window, load a stored chunk at an unaligned position with a
+    delta, and compare both ops' saved chunks and whole caches."""
+    dtype = reference.layers[0].keys.dtype
+    table = torch.tensor([5, 2, 0, 4], device=reference.device)
+    saved = reference.save_chunk(table, 3, 37)
+    assert torch.equal(fused.save_chunk(table, 3, 37), saved)
+    stored = torch.randn(3, 2, 50, HEADS, HEAD_SIZE).to(dtype)
+    for ops in (reference, fused):
+        ops.load_chunk(table, 7, stored, 4, 41, delta)
+    assert_same_caches(reference, fused)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=str)
+def test_fused_ops_match_torch_on_every_layout(layout, dtype, device) -> None:
+    """Neox RoPE over the whole head, every layout vLLM can allocate; on CPU
+    in the interpreter, on a GPU compiled."""
+    layers = content_packed(layout, dtype, device=device)
+    reference, fused = twins(layers, make_rope())
+    exercise(reference, fused, delta=1000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("rotary_dim", "neox"), [(HEAD_SIZE, False), (HEAD_SIZE // 2, True), (8, False)]
+)
+def test_fused_rotation_matches_torch_for_gptj_and_partial_rotary(
+    rotary_dim: int, neox: bool, dtype
+) -> None:
+    layers = content_packed(KVCacheLayout.LBHNC, dtype)
+    reference, fused = twins(layers, make_rope(rotary_dim, neox))
+    exercise(reference, fused, delta=2049)
+
+
+def test_fused_ops_address_the_cpu_layout_and_split_kernel_blocks() -> None:
+    """Keys stored transposed (CPU_ATTN) and 2 kernel blocks per manager
+    block go through the same kernel."""
+    caches = [torch.randn(6, HEADS, BLOCK, 2 * HEAD_SIZE) for _ in range(3)]
+    reference, fused = twins([cpu_attn_views(c, BLOCK, "vec") for c in caches],
+                             make_rope())  # fmt: skip
+    exercise(reference, fused, delta=5)
+    layers = content_packed(KVCacheLayout.LBNHC, torch.bfloat16, kernel_block_size=16)
+    reference, fused = twins(layers, make_rope(), block_size=2 * BLOCK)
+    assert fused.kernel_blocks_per_block == 2
+    exercise(reference, fused, delta=0)
+
+
+def test_fused_ops_address_separately_allocated_layers() -> None:
+    """Layers in unrelated allocations are reached by their address offsets."""
+    layers = [
+        content_packed_views(
+            torch.randn(6, HEADS, BLOCK, 2 * HEAD_SIZE).to(torch.float16), HEAD_SIZE
+        )
+        for _ in range(3)
+    ]
+    rope = make_rope()
+    fused_layers = [PagedKV(kv.keys.clone(), kv.values.clone()) for kv in layers]
+    reference, fused = TorchOps(layers, rope), TritonOps(fused_layers, rope)
+    exercise(reference, fused, delta=300)
+
+
+def test_a_chunk_past_the_block_table_is_refused_before_any_write() -> None:
+    _, fused = twins(content_packed(KVCacheLayout.LBNHC, torch.float32), None)
+    before = [kv.keys.clone() for kv in fused.layers]
+    with pytest.raises(AssertionError, match="past the request's block table"):
+        fused.load_chunk(torch.tensor([1]), 10, torch.zeros(3, 2, 8, 2, 32), 0, 8, 0)
+    after = [kv.keys for kv in fused.layers]
+    assert all(map(torch.equal, before, after)), "a refused load wrote to the cache"
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["load", "save"])
+def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
+    """Compiled offline for sm_90 (no GPU needed), at Llama-8B's KV shape, the
+    kernel moves the cache and the chunk with 16-byte vector instructions:
+    the bandwidth target needs them, and losing an alignment hint silently
+    turns them into 2-byte ones. Only the rotation's partner reads (L1 hits
+    of lines just read) stay scalar."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_kvreuse.device.triton_ops import move_kernel
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("Triton was built without its NVIDIA backend")
+    kernel = triton.jit(move_kernel)
+    pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
+                "block_ids_ptr": "*i64", "cos_sin_ptr": "*fp32"}  # fmt: skip
+    constants = dict(NUM_HEADS=8, HEAD_SIZE=128, ROTARY_DIM=128, IS_NEOX=True,
+                     ROTATE=not save, SAVE=save, BLOCK_T=4, BLOCK_HD=1024, ALIGN=16,
+                     c_dim=1, k_dim=1, v_dim=1)  # fmt: skip
+    signature = {
+        name: pointers.get(name, "constexpr" if name in constants else "i32")
+        for name in kernel.arg_names
+    }
+    # What the JIT infers from real arguments: 16-byte aligned pointers and
+    # strides that are multiples of 16 (start and count are not specialised).
+    aligned = [n for n in kernel.arg_names if n not in constants and n != "count"]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
+             if n != "start"}  # fmt: skip
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": TritonOps.NUM_WARPS, "enable_fp_fusion": False},
+    )
+    ptx = compiled.asm["ptx"]
+    stores = re.findall(r"st\.global\.[\w.]+", ptx)
+    loads = re.findall(r"ld\.global\.[\w.]+", ptx)
+    assert stores and set(stores) == {"st.global.v4.b32"}, sorted(set(stores))
+    vector_loads = loads.count("ld.global.v4.b32")
+    assert vector_loads >= 8, f"K and V read in {vector_loads} vector loads"
+    scalar_loads = loads.count("ld.global.b16")
+    assert scalar_loads == (0 if save else 32), "only the partner reads are scalar"
