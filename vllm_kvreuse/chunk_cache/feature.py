@@ -135,6 +135,7 @@ class ChunkCache(Feature):
         side = self.side
         return {
             "chunked_requests": len(side.plans),
+            "waiting_for_fills": side.num_waiting(),
             "fills": len(side.fills),
             "pinned_chunks": side.index.num_pinned,
         }

@@ -273,7 +273,16 @@ class ChunkScheduler:
             "device_bytes": index.bytes_in("device"),
             "cpu_bytes": index.bytes_in("cpu"),
             "fills": len(self.fills),
+            "waiting": self.num_waiting() if self.fills else 0,
         }
+
+    def num_waiting(self) -> int:
+        """Chunked requests waiting for a fill to store one of their chunks."""
+        return sum(
+            1
+            for request_id, plan in self.plans.items()
+            if request_id not in self._loads and not self.is_ready(plan)
+        )
 
     def stats_since_last_report(self) -> dict[str, int] | None:
         now = self.snapshot()

@@ -39,6 +39,8 @@ GAUGES: dict[str, str] = {
     "device_bytes": "Chunk-store bytes on the KV cache's device.",
     "cpu_bytes": "Chunk-store bytes in host memory (CPU tier).",
     "fills": "Fill requests computing missing chunks right now.",
+    "waiting": "Chunked requests waiting (holding no KV block) for a fill to "
+    "store one of their chunks.",
 }
 
 
