@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvreuse.testing.server import SERVED_MODEL, Server
+from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
 
 
 def prompt(i: int, words: int) -> str:
@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--prompt-words", type=int, default=400)
+    ServerSettings.add_arguments(parser)
     args = parser.parse_args()
+    settings = ServerSettings.from_args(args)
 
     log = Path(tempfile.mkdtemp()) / "server.log"
     with Server(
@@ -59,6 +61,7 @@ def main() -> None:
         "--global-cache-hit-threshold",
         "0",
         log_path=log,
+        settings=settings,
     ) as server:
         client = httpx.Client(base_url=server.url, timeout=300)
         base = {"model": SERVED_MODEL, "max_tokens": 1, "stream": True}

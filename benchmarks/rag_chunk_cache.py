@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvreuse.testing.server import SERVED_MODEL, Server
+from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
 
 SYSTEMS = [f"System {n}: answer briefly from the documents. " * 4 for n in range(3)]
 
@@ -125,7 +125,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=8192)
+    ServerSettings.add_arguments(parser)
     args = parser.parse_args()
+    settings = ServerSettings.from_args(args)
 
     rng = random.Random(0)
     k = args.docs_per_prompt
@@ -152,9 +154,15 @@ def main() -> None:
     common = ["--max-model-len", str(args.max_model_len)]
     common += ["--max-num-batched-tokens", str(args.max_model_len)]
     with (
-        Server(args.model, *common, log_path=logs / "plain.log") as plain,
         Server(
-            args.model, *common, "--enable-chunk-cache", log_path=logs / "chunk.log"
+            args.model, *common, log_path=logs / "plain.log", settings=settings
+        ) as plain,
+        Server(
+            args.model,
+            *common,
+            "--enable-chunk-cache",
+            log_path=logs / "chunk.log",
+            settings=settings,
         ) as chunked,
     ):
         for server in (plain, chunked):  # warm-up, not in any phase

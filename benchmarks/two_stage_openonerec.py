@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvreuse.testing.server import SERVED_MODEL, Server
+from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
 
 SUFFIX = "</think>\n<|sid_begin|>"
 FRONTEND_MODES = ("text", "token_ids", "continuation")
@@ -269,7 +269,11 @@ def run_on_server(args, server_args: list[str], modes: list[str]) -> dict:
     log = Path(tempfile.mkdtemp()) / "server.log"
     results = {}
     with Server(
-        args.model, *server_args, log_path=log, block_size=args.block_size
+        args.model,
+        *server_args,
+        log_path=log,
+        block_size=args.block_size,
+        settings=ServerSettings.from_args(args),
     ) as server:
         args.suffix_ids = tokenize(server, SUFFIX)
         (args.think_end_id,) = tokenize(server, "</think>")
@@ -306,6 +310,7 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=0, help="0: ample pool")
     parser.add_argument("--retain-kv-max-fraction", type=float, default=0.25)
     parser.add_argument("--modes", default=",".join(MODES))
+    ServerSettings.add_arguments(parser)
     args = parser.parse_args()
 
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache

