@@ -112,7 +112,12 @@ class Summary:
 
     @property
     def memory_growth(self) -> int | None:
-        if self.memory_baseline is None or self.memory_end is None:
+        """None when unknown, or meaningless: a server that died shrank."""
+        if (
+            self.memory_baseline is None
+            or self.memory_end is None
+            or not self.result.alive
+        ):
             return None
         return self.memory_end.total - self.memory_baseline.total
 
