@@ -120,14 +120,51 @@ def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]
     return render_chat_request
 
 
+STRICT_BOOLS = ("use_beam_search",)
+"""Body fields that must be JSON booleans: pydantic would read ``"yes"`` as
+true, and engine-side beam search then serves a request the client may not
+have meant."""
+
+
+def check_strict_bools(data: Any) -> Any:
+    if isinstance(data, dict):
+        for name in STRICT_BOOLS:
+            value = data.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+    return data
+
+
+def strict_chat_completion_request(original: type) -> type:
+    """``ChatCompletionRequest`` whose ``use_beam_search`` must be a boolean."""
+
+    class ChatCompletionRequest(original):  # type: ignore[misc, valid-type]
+        __doc__ = original.__doc__
+        __module__ = original.__module__
+        __qualname__ = original.__qualname__
+
+        @model_validator(mode="before")
+        @classmethod
+        def kvreuse_strict_bools(cls, data: Any) -> Any:
+            return check_strict_bools(data)
+
+    return ChatCompletionRequest
+
+
 def promptless_completion_request(original: type) -> type:
     """``CompletionRequest`` that accepts a body whose prompt comes from
-    ``continuation_of`` or ``chunks``; the renderers above check it."""
+    ``continuation_of`` or ``chunks`` (the renderers above check it), and
+    whose ``use_beam_search`` must be a boolean."""
 
     class CompletionRequest(original):  # type: ignore[misc, valid-type]
         __doc__ = original.__doc__
         __module__ = original.__module__
         __qualname__ = original.__qualname__
+
+        @model_validator(mode="before")
+        @classmethod
+        def kvreuse_strict_bools(cls, data: Any) -> Any:
+            return check_strict_bools(data)
 
         @model_validator(mode="before")
         @classmethod

@@ -89,6 +89,9 @@ BODIES: list[tuple[str, str, dict[str, Any]]] = [
     ("separator: only", "/v1/completions", base(prompt="##")),
     ("suffix ids huge", "/v1/completions",
      base(prompt=None, continuation_of="nope", continuation_suffix_token_ids=[HUGE])),
+    ("beam flag a string", "/v1/completions", base(use_beam_search="yes", n=2)),
+    ("chat beam flag a string", "/v1/chat/completions",
+     chat(use_beam_search="yes", n=2)),
     ("beam n=0", "/v1/completions", base(use_beam_search=True, n=0)),
     ("beam n=-1", "/v1/completions", base(use_beam_search=True, n=-1)),
     ("beam n huge", "/v1/completions", base(use_beam_search=True, n=HUGE)),
@@ -151,6 +154,14 @@ def test_hostile_child_of_a_real_parent(server: Server, field: str, value) -> No
         f"{response.status_code} {response.text[:300]}\n{server.log_tail()}"
     )
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_use_beam_search_must_be_a_boolean(server: Server, path: str) -> None:
+    body = (base if path == "/v1/completions" else chat)(use_beam_search="yes", n=2)
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert "use_beam_search must be true or false" in response.text
 
 
 @pytest.mark.parametrize("key", INTERNAL)

@@ -34,14 +34,18 @@ LATENCY_BOUND_S = 20.0
 # Tokens are produced every step while requests are in flight; the sampler
 # looks every 2 s. 10 s without one new token is a stall, not a slow step.
 STALL_BOUND_S = 10.0
-# RSS of the API server plus the engine core, from mid-load to the end.
-# After the first half (allocator pools, vLLM's caches, the chunk store's
-# fixed tier filling) a 90 s run grew by 21 MiB over its second half. The
-# KV pool and the chunk store are allocated up front (6 MiB and 0.6 MiB for
-# the tiny model), so growth past the warm-up is Python objects: requests,
-# registries. 96 MiB is several times the healthy growth and still catches
-# a leak of a few KB per request at this rate (~50 requests a second).
-MEMORY_GROWTH_BOUND = 96 * MIB
+# RSS growth from mid-load to the end, per process. Measured over a 240 s run
+# of this mix (4,854 requests, shared 2-core machine): the engine core grows
+# for its first ~60 s of load (torch's and oneDNN's per-shape caches and
+# allocator pools: +560 MiB) and then stays flat (+30 MiB over the next
+# 180 s); the API server grows ~0.2 MiB/s until the continuation registry
+# reaches its 4,096 records. A 50 s run's second half is still in the
+# engine's warm-up, hence its bound; the API server's, where the plugin's
+# per-request records live, is tight enough to catch a leak of a few tens
+# of KB per request (~50 requests a second). The 10-minute benchmark
+# (benchmarks/soak.py) shows the plateau.
+API_SERVER_GROWTH_BOUND = 48 * MIB
+ENGINE_GROWTH_BOUND = 320 * MIB
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +128,12 @@ def test_plain_and_rag_requests_are_served_after_the_soak(soak: Summary) -> None
 
 
 def test_memory_growth_is_bounded(soak: Summary) -> None:
-    growth = soak.memory_growth
-    assert growth is not None, "no memory sample"
-    assert growth <= MEMORY_GROWTH_BOUND, (
-        f"RSS grew {growth / MIB:.0f} MiB from mid-load to the end "
-        f"({soak.memory_baseline} → {soak.memory_end})"
+    start, end = soak.memory_baseline, soak.memory_end
+    assert soak.memory_growth is not None and start and end, "no memory sample"
+    api, engine = end.api_server - start.api_server, end.children - start.children
+    assert api <= API_SERVER_GROWTH_BOUND, (
+        f"API server RSS grew {api / MIB:.0f} MiB from mid-load to the end"
+    )
+    assert engine <= ENGINE_GROWTH_BOUND, (
+        f"engine RSS grew {engine / MIB:.0f} MiB from mid-load to the end"
     )

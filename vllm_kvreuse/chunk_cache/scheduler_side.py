@@ -116,9 +116,14 @@ class ChunkScheduler:
     def hold_chunks(
         self, prompt: list[int], chunks: list[PlannedChunk]
     ) -> list[FillSpec] | None:
-        """Pins each chunk stored or being filled; reserves room for the others
-        and returns their fills (the caller starts them). None, holding
-        nothing, if the store cannot take one of them."""
+        """Pins each chunk for the plan; reserves room for those neither stored
+        nor being filled and returns their fills (the caller starts them).
+        None, holding nothing, if the store cannot take one of them.
+
+        Pins are counted per holder: the plan holds one on every chunk until
+        it loads, and a fill holds its reservation's own pin until it ends,
+        so a chunk stays in the store while anyone still needs it.
+        """
         index = self.index
         pinned: list[bytes] = []
         fills: list[FillSpec] = []
@@ -126,7 +131,8 @@ class ChunkScheduler:
             if index.get(chunk.key) is not None:
                 index.pin(chunk.key)
                 pinned.append(chunk.key)
-            elif index.reserve(chunk.key, chunk.length):
+            elif index.reserve(chunk.key, chunk.length):  # the fill's pin
+                index.pin(chunk.key)  # the plan's
                 context = prompt[: chunk.virtual_start]
                 tokens = prompt[chunk.start : chunk.start + chunk.length]
                 fills.append(FillSpec(chunk.key, [*context, *tokens], len(context)))

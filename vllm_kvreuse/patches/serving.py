@@ -68,9 +68,21 @@ PATCHES: tuple[Patch, ...] = (
         "continuation, or a chunked prompt sent as `chunks`, leaves it out.",
         how="A subclass overrides the validator validate_prompt_and_prompt_embeds "
         "to let a body with continuation_of or chunks through, and otherwise "
-        "calls the original. The API server builds its routes after plugins "
-        "load, so they see the subclass.",
+        "calls the original; a second before-validator refuses a "
+        "use_beam_search that is not a JSON boolean. The API server builds its "
+        "routes after plugins load, so they see the subclass.",
         remove_when="vLLM gains continuation requests and segmented prompts.",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest",
+        wrapper="vllm_kvreuse.frontend:strict_chat_completion_request",
+        kind="subclass",
+        signatures={V0_32_0: "sha256:12cfed99cdb069e9"},
+        why='pydantic reads use_beam_search: "yes" as true, so a malformed body '
+        "would start an engine-side beam search.",
+        how="A subclass adds a before-validator that refuses a use_beam_search "
+        "that is not a JSON boolean (400).",
+        remove_when="vLLM's request models use strict booleans.",
     ),
     Patch(
         target="vllm.entrypoints.openai.completion.serving:"

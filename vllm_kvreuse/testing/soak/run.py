@@ -30,6 +30,8 @@ from vllm_kvreuse.testing.soak.records import Record
 SERVER_ARGS: tuple[str, ...] = (
     "--engine-beam-search",
     "--enable-chunk-cache",
+    "--enable-continuation",
+    "--global-cache-hit-threshold", "0",
     "--retain-kv-max-fraction", "0.2",
     "--num-gpu-blocks-override", "192",
     # Beam widths up to 16 ask for 2 x 16 log-probs (vLLM's default is 20).
