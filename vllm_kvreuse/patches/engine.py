@@ -99,6 +99,25 @@ PATCHES: tuple[Patch, ...] = (
         "records a finished request's delivered tokens for continuations.",
         remove_when="FinishReason gains a cache-threshold member.",
     ),
+    Patch(
+        target="vllm.utils.ompmultiprocessing:OMPProcessManager.__init__",
+        wrapper="vllm_kvreuse.chunk_cache.cpu_cores:wrap_omp_manager_init",
+        kind="function",
+        signatures={V0_32_0: "(self, config: 'VllmConfig')"},
+        why="On CPU, vLLM keeps one more core per worker free of OpenMP "
+        "threads whenever any KV connector is set (for NIXL's transfer "
+        "threads); the chunk-cache connector has none. With 2 cores per "
+        "worker the reservation cannot be met, vLLM then reserves no core, "
+        "and the worker's threads share every core with the busy-polling "
+        "engine core: every step ~4x slower with the cache on, used or not.",
+        how="When the connector is the chunk cache's alone, calls the "
+        "original with a read-only view of the config whose "
+        "kv_transfer_config is None, so cores are bound as plain vLLM binds "
+        "them; any other connector, and VLLM_CPU_NUM_OF_RESERVED_CPU, as "
+        "upstream.",
+        remove_when="vLLM reserves the extra core only for connectors that "
+        "ask for it (a connector capability, or NIXL only).",
+    ),
     # The helper is defined in worker.utils and imported by name into both
     # model runners, so each binding is wrapped (the V1 runner's is the one
     # vllm-ascend's NPUModelRunner reaches through super()._update_states).
