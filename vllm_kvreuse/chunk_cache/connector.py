@@ -11,6 +11,11 @@ scheduler side → ``build_connector_meta`` packs a step's loads, saves and
 store decisions → the workers carry them out. Loads are synchronous (see
 :mod:`.scheduler_side` for why), so nothing flows back but load errors.
 
+Cost when unused: the scheduler side builds an empty :class:`~.plan.ChunkMeta`
+in O(1) (vLLM requires one each step) and the worker binds only non-empty
+metadata, so a step that loads and saves nothing makes no per-layer call and
+no worker-side chunk call (docs/chunk_cache.md, "Cost when unused").
+
 Block ownership: the connector never owns KV blocks. It writes into blocks
 vLLM allocated to the loading request and reads blocks of a fill in the
 step that computed them; stored chunks live outside the KV pool.
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
 )
 
@@ -122,10 +128,26 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Binds a step's metadata only if it carries chunk work.
+
+        Invariant: bound metadata is never empty. vLLM's per-layer hook
+        (``maybe_transfer_kv_layer``) calls ``wait_for_layer_load`` and
+        ``save_kv_layer`` on every attention layer while metadata is bound,
+        so a step without chunk work makes no per-layer call at all.
+        """
+        if connector_metadata:
+            super().bind_connector_metadata(connector_metadata)
+        else:
+            self.clear_connector_metadata()
+
+    def _bound(self) -> ChunkMeta | None:
+        """This step's chunk work; None in a step without any."""
+        return self._connector_metadata  # type: ignore[return-value]
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if meta:
-            self._worker.before_forward(meta)  # type: ignore[arg-type]
+        if (meta := self._bound()) is not None:
+            self._worker.before_forward(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -136,9 +158,8 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        if meta:
-            self._worker.after_forward(meta)  # type: ignore[arg-type]
+        if (meta := self._bound()) is not None:
+            self._worker.after_forward(meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self.worker_side else set()

@@ -6,7 +6,8 @@ scheduler side decided for the step (:class:`~.plan.ChunkMeta`), in order:
 store decisions and loads before the forward pass, saves after it. Every KV
 tensor access goes through :mod:`vllm_kvreuse.device`.
 
-A step without chunk work costs one truth test of the metadata.
+A step without chunk work never reaches this class: the connector binds
+only non-empty metadata (``KVReuseChunkConnector.bind_connector_metadata``).
 """
 
 from __future__ import annotations
