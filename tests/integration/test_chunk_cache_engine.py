@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from vllm import LLM, SamplingParams
+from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 from tests.integration.chunks import (
     DOC_A,
@@ -194,3 +195,19 @@ def test_a_continuation_of_a_chunked_request_inherits_its_blocks(llm, hf_model) 
     inherited = len(token_ids) + len(parent_tokens) - 1  # all but its last token
     assert child.num_cached_tokens >= inherited
     llm.reset_prefix_cache()  # releases the retained parent
+
+
+def test_steps_without_chunk_work_make_no_per_layer_call(llm) -> None:
+    """vLLM calls the connector per attention layer only while step metadata
+    is bound; the worker binds only steps that load or save a chunk."""
+    connector = get_kv_transfer_group()
+    layer_calls: list[str] = []
+    connector.wait_for_layer_load = layer_calls.append  # counts, on this object
+    try:
+        plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(range(40, 140))}], plain)
+        assert layer_calls == []
+        generate(llm, [SYSTEM, list(range(1400, 1450)), QUESTION], max_tokens=2)
+        assert layer_calls, "a step that saves or loads a chunk is bound"
+    finally:
+        del connector.wait_for_layer_load
