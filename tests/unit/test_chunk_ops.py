@@ -7,6 +7,7 @@ import torch
 from vllm import _custom_ops as vllm_ops
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
 
 from vllm_kvreuse.chunk_cache.rope import UnsupportedModel, model_rope
 from vllm_kvreuse.chunk_cache.store import ChunkIndex
@@ -41,6 +42,18 @@ def test_rerotated_keys_match_keys_computed_at_the_actual_positions(rope) -> Non
     moved = rerotate_keys(virtual, 333, rope)
     # float32 cos/sin tables: agreement to float32 rounding of the angles
     torch.testing.assert_close(moved, actual, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_rotation_broadcasts_one_row_to_the_same_values(rope) -> None:
+    """On CPU one cos/sin row is broadcast over the tokens instead of
+    expanded to a row per token: the same products, so the same bits."""
+    keys = torch.randn(40, 2, rope.head_size)
+    cos, sin = rope.cos_sin_cache[333].chunk(2)
+    per_token = ApplyRotaryEmb.forward_static(
+        keys, cos.expand(40, -1), sin.expand(40, -1), rope.is_neox_style
+    )
+    assert rope.rotary_dim == rope.head_size and rope.apply_rotary is not None
+    assert torch.equal(rerotate_keys(keys, 333, rope), per_token)
 
 
 @pytest.mark.parametrize(

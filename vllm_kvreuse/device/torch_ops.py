@@ -47,17 +47,22 @@ def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
     (``rope.apply_rotary``), so the platform's implementation runs (vLLM's
     CUDA kernel, vllm-ascend's ``npu_rotary_mul``); without one, vLLM's
     torch arithmetic. Both take ``x`` as ``[(batch,) seq, heads, dim]`` and
-    cos/sin as ``[seq, rotary_dim / 2]``: the one row is repeated per token.
+    cos/sin as ``[seq, rotary_dim / 2]``: on an accelerator the one row is
+    repeated per token; on CPU it is broadcast (``[1, rotary_dim / 2]``).
     """
     assert 0 <= delta < len(rope.cos_sin_cache), f"delta {delta} outside the table"
-    cos, sin = rope.cos_sin_cache[delta].to(keys.device).chunk(2)
+    cos, sin = rope.cos_sin_cache[delta : delta + 1].to(keys.device).chunk(2, dim=-1)
     x = keys.to(torch.float32)
     rot = x[..., : rope.rotary_dim]
     if rope.rotary_dim < rope.head_size:
         rot = rot.contiguous()  # kernels take a dense tensor
-    num_tokens = keys.shape[-3]
-    cos = cos.expand(num_tokens, -1).contiguous()
-    sin = sin.expand(num_tokens, -1).contiguous()
+    if keys.device.type != "cpu":  # kernels take one row per token
+        num_tokens = keys.shape[-3]
+        cos = cos.expand(num_tokens, -1).contiguous()
+        sin = sin.expand(num_tokens, -1).contiguous()
+    # On CPU the one row stays one row: vLLM's CPU rotation is torch
+    # arithmetic (ApplyRotaryEmb.forward_native), which broadcasts it over
+    # the tokens with the same products, ~5x faster than over a table.
     if rope.apply_rotary is not None:
         rotated = rope.apply_rotary(rot, cos, sin)
     else:
