@@ -29,14 +29,19 @@ import cProfile
 import os
 import pstats
 import random
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# One OpenMP thread, as vLLM gives a CPU worker on a 2-core machine: more
+# threads in one process that also schedules would spin against each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 STEP = "EngineCore.step (whole step)"
+RAG_PARAMS: dict[str, Any] = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 CONNECTOR = "chunk_cache/connector.py"
 WORKER = "chunk_cache/worker_side.py"
 LAYER = "vllm_kvreuse/core/layer.py"
@@ -141,42 +146,57 @@ class Timed:
         delattr(self.owner, self.name)
 
 
-def timed_loads(llm: Any, prompts: list[Any], params: Any) -> None:
-    """Unprofiled: wall time of the steps that loaded, of the loads, and of
-    the device ops (``load_chunk``) within them."""
+def timed_loads(llm: Any, rounds: list[tuple[list[Any], list[Any]]]) -> None:
+    """Unprofiled, one round at a time: wall time of the steps that loaded,
+    of the worker's loads, of the device ops (``load_chunk``) within them,
+    and of the scheduler side's work for the round's requests (planning on
+    arrival, step metadata); prints each round and the medians."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().worker_side
     core = llm.llm_engine.engine_core.engine_core
-    loads = Timed(worker, "_load")
-    ops = Timed(worker.ops, "load_chunk")
-    loading_steps: list[float] = []
+    connector = core.scheduler.connector
     step = core.step_fn
+    samples: list[tuple[float, ...]] = []
+    for prompts, params in rounds:
+        timers = (
+            Timed(worker, "_load"),
+            Timed(worker.ops, "load_chunk"),
+            Timed(connector.scheduler_side, "plan"),
+            Timed(connector, "build_connector_meta"),
+        )
+        loads = timers[0]
+        loading_steps: list[float] = []
 
-    def timed_step(*args: Any, **kwargs: Any) -> Any:
-        before, start = loads.calls, time.perf_counter()
-        result = step(*args, **kwargs)
-        if loads.calls > before:
-            loading_steps.append(time.perf_counter() - start)
-        return result
+        def timed_step(loads: Timed = loads, steps: list[float] = loading_steps) -> Any:
+            before, start = loads.calls, time.perf_counter()
+            result = step()
+            if loads.calls > before:
+                steps.append(time.perf_counter() - start)
+            return result
 
-    core.step_fn = timed_step
-    try:
-        llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        core.step_fn = step
-        loads.remove()
-        ops.remove()
-    total = sum(loading_steps)
-    if not total:
-        print("\nUnprofiled: no step loaded a chunk")
-        return
+        core.step_fn = timed_step
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            core.step_fn = step
+            for timer in timers:
+                timer.remove()
+        samples.append((sum(loading_steps), *(t.seconds for t in timers)))
+        print(
+            f"round: {len(loading_steps)} loading step(s), {loads.calls} requests "
+            f"({timers[1].calls} pieces), ms: "
+            + ", ".join(f"{v * 1e3:.2f}" for v in samples[-1])
+        )
+    columns = zip(*samples, strict=True)
+    step_s, loads_s, ops_s, plan_s, meta_s = (statistics.median(c) for c in columns)
     print(
-        f"\nUnprofiled: {len(loading_steps)} step(s) loaded {loads.calls} "
-        f"requests ({ops.calls} pieces) in {total * 1e3:.2f} ms of step time; "
-        f"loads {loads.seconds * 1e3:.2f} ms ({loads.seconds / total:.0%} of "
-        f"those steps), of which load_chunk {ops.seconds * 1e3:.2f} ms "
-        f"({ops.seconds / max(loads.seconds, 1e-9):.0%} of the loads)."
+        f"\nUnprofiled, median of {len(samples)} rounds: the loading step(s) took "
+        f"{step_s * 1e3:.2f} ms; worker loads {loads_s * 1e3:.2f} ms "
+        f"({loads_s / step_s:.0%} of the step), of which load_chunk "
+        f"{ops_s * 1e3:.2f} ms ({ops_s / loads_s:.0%} of the loads). Scheduler "
+        f"side for the same requests: planning on arrival {plan_s * 1e3:.2f} ms, "
+        f"build_connector_meta (all steps) {meta_s * 1e3:.2f} ms."
     )
 
 
@@ -200,19 +220,13 @@ def main() -> None:
     llm.generate(prompts[:4], decode, use_tqdm=False)  # warm-up
     profiled(llm, f"unused ({args.mode})", prompts[4:], decode)
     if args.mode == "cache":
-        rounds = [rag_requests(args.requests, seed) for seed in (1, 2, 3)]
-        params = [
-            [
-                SamplingParams(
-                    max_tokens=8, temperature=0.0, ignore_eos=True, extra_args=extra
-                )
-                for extra in extra_args
-            ]
-            for _, extra_args in rounds
+        rounds = [
+            (prompts, [SamplingParams(**RAG_PARAMS, extra_args=x) for x in extra])
+            for prompts, extra in (rag_requests(args.requests, s) for s in range(7))
         ]
-        llm.generate(rounds[0][0], params[0], use_tqdm=False)  # fills every chunk
-        profiled(llm, "rag, every chunk stored", rounds[1][0], params[1])
-        timed_loads(llm, rounds[2][0], params[2])
+        llm.generate(*rounds[0], use_tqdm=False)  # fills every chunk
+        profiled(llm, "rag, every chunk stored", *rounds[1])
+        timed_loads(llm, rounds[2:])
     llm.llm_engine.engine_core.shutdown()
 
 
