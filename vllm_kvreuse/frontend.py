@@ -16,6 +16,7 @@ from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse import request_args
 from vllm_kvreuse.admission import frontend as admission
+from vllm_kvreuse.beam import frontend as beam_frontend
 from vllm_kvreuse.chunk_cache import frontend as chunks
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import frontend as continuation
@@ -120,7 +121,10 @@ def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]
     return render_chat_request
 
 
-STRICT_BOOLS = ("use_beam_search",)
+SID_CATALOG = "sid_catalog"
+"""Body field: constrain the beams to the server's SID catalog."""
+
+STRICT_BOOLS = ("use_beam_search", SID_CATALOG)
 """Body fields that must be JSON booleans: pydantic would read ``"yes"`` as
 true, and engine-side beam search then serves a request the client may not
 have meant."""
@@ -132,7 +136,16 @@ def check_strict_bools(data: Any) -> Any:
             value = data.get(name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
+        if data.get(SID_CATALOG) and not data.get("use_beam_search"):
+            raise ValueError(f"{SID_CATALOG} applies to use_beam_search requests")
     return data
+
+
+def mark_catalog(request: Any, params: Any) -> Any:
+    """Carries the body's ``sid_catalog`` into the ``BeamSearchParams``."""
+    if (request.model_extra or {}).get(SID_CATALOG):
+        setattr(params, beam_frontend.CATALOG_ATTR, True)
+    return params
 
 
 def strict_chat_completion_request(original: type) -> type:
@@ -147,6 +160,9 @@ def strict_chat_completion_request(original: type) -> type:
         @classmethod
         def kvreuse_strict_bools(cls, data: Any) -> Any:
             return check_strict_bools(data)
+
+        def to_beam_search_params(self, *args: Any, **kwargs: Any) -> Any:
+            return mark_catalog(self, super().to_beam_search_params(*args, **kwargs))
 
     return ChatCompletionRequest
 
@@ -165,6 +181,9 @@ def promptless_completion_request(original: type) -> type:
         @classmethod
         def kvreuse_strict_bools(cls, data: Any) -> Any:
             return check_strict_bools(data)
+
+        def to_beam_search_params(self, *args: Any, **kwargs: Any) -> Any:
+            return mark_catalog(self, super().to_beam_search_params(*args, **kwargs))
 
         @model_validator(mode="before")
         @classmethod
