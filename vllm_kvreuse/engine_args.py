@@ -22,6 +22,7 @@ def attach_catalog_processor(engine_args: Any) -> None:
 
     attach(engine_args)
 
+
 GROUP_TITLE = "vllm-kvreuse"
 
 

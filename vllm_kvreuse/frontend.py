@@ -144,7 +144,7 @@ def check_strict_bools(data: Any) -> Any:
 def mark_catalog(request: Any, params: Any) -> Any:
     """Carries the body's ``sid_catalog`` into the ``BeamSearchParams``."""
     if (request.model_extra or {}).get(SID_CATALOG):
-        setattr(params, beam_frontend.CATALOG_ATTR, True)
+        beam_frontend.mark_catalog_params(params)
     return params
 
 

@@ -60,14 +60,19 @@ def check_fits_pool(
 
 CATALOG_ATTR = "kvreuse_sid_catalog"
 """Attribute of a ``BeamSearchParams`` asking for catalog-constrained beams
-(set from the HTTP body's ``sid_catalog``, or by :func:`catalog_beam_params`)."""
+(set from the HTTP body's ``sid_catalog``, or by :func:`catalog_beam_params`,
+through :func:`mark_catalog_params`)."""
 
 
 def catalog_beam_params(**kwargs: Any) -> BeamSearchParams:
     """``BeamSearchParams(**kwargs)`` whose beams stay in the server's SID
     catalog (``--sid-catalog``), for offline ``LLM.beam_search``."""
-    params = BeamSearchParams(**kwargs)
-    setattr(params, CATALOG_ATTR, True)  # msgspec struct with a __dict__
+    return mark_catalog_params(BeamSearchParams(**kwargs))
+
+
+def mark_catalog_params(params: BeamSearchParams) -> BeamSearchParams:
+    # BeamSearchParams is a msgspec struct with a __dict__: it takes the mark.
+    params.kvreuse_sid_catalog = True  # type: ignore[attr-defined]
     return params
 
 
