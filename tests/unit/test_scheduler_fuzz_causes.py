@@ -10,7 +10,8 @@ from vllm.config import ModelConfig
 from vllm.v1.engine import FinishReason
 
 from tests.unit.conftest import make_request
-from tests.unit.scheduler_driver import Driver, make_full_scheduler
+from tests.unit.scheduler_driver import EOS, Driver, make_full_scheduler
+from vllm_kvreuse.beam.policy import BeamConfig
 
 QUESTION = list(range(9000, 9004))
 
@@ -50,4 +51,28 @@ def test_a_chunk_its_request_will_load_stays_stored(model_config: ModelConfig) -
     driver.drain(max_steps=50)
     _assert_answered(driver, "first", "second")
     driver.scheduler.reset_prefix_cache(reset_connector=True)
+    driver.check_drained()
+
+
+def test_resetting_running_requests_releases_held_beams(
+    model_config: ModelConfig,
+) -> None:
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts every
+    running request and then requires every block free, else raises (a
+    crash of the engine core); a beam group's held blocks stayed held."""
+    driver = Driver(make_full_scheduler(model_config))
+    config = BeamConfig(width=2, max_tokens=3, eos_token_id=EOS)
+    root = make_request(
+        "root", list(range(100, 140)), max_tokens=1, kvreuse_beam=config.to_dict()
+    )
+    root.sampling_params.logprobs = 4
+    driver.add(root, "beam")
+    driver.step()  # the root's prefill: its blocks are held for its beams
+    assert len(driver.scheduler.kvreuse.ledger) == 1
+    assert driver.scheduler.reset_prefix_cache(
+        reset_running_requests=True, reset_connector=True
+    ), "the cache was not reset with every request preempted"
+    driver.check()
+    driver.drain(max_steps=50)
+    _assert_answered(driver, "root", reason=FinishReason.STOP)
     driver.check_drained()
