@@ -13,7 +13,7 @@ reaches the client and checks the invariants after every action.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ from vllm_kvreuse.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
 MAX_MODEL_LEN = 256
 SAMPLED = 7  # the token every request samples
 EOS = 2  # beam groups' eos_token_id
+LOGPROBS = [-0.1, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6]  # of each row's tokens
 MAX_IDLE_STEPS = 16
 """Steps in a row that may schedule nothing while requests wait or run: each
 such step releases one held entry per feature (memory pressure), so only a
@@ -59,6 +60,7 @@ def make_full_scheduler(
     max_num_seqs: int = 4,
     max_num_batched_tokens: int = 64,
     chunk_cache_device_fraction: float = 0.25,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     """A real scheduler with all four features and the chunk-cache connector.
 
@@ -72,7 +74,7 @@ def make_full_scheduler(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=MAX_MODEL_LEN,
-            async_scheduling=False,
+            async_scheduling=async_scheduling,
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector=CHUNK_CONNECTOR,
@@ -90,6 +92,9 @@ def make_full_scheduler(
         },
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # vLLM's CPU platform turns async scheduling off; GPUs have it on by
+    # default, and the scheduler is the same Python on both.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     spec = FullAttentionSpec(
         BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=model_config.dtype
     )
@@ -116,32 +121,37 @@ def make_full_scheduler(
     )
 
 
+def completing(scheduler: Scheduler, output: SchedulerOutput) -> set[str]:
+    """Requests whose step ``output`` computes every token they have: they
+    sample one. Read right after ``schedule``, as the model runner knows it
+    (with async scheduling, the previous step's token is not appended yet)."""
+    return {
+        req_id
+        for req_id in output.num_scheduled_tokens
+        if (request := scheduler.requests.get(req_id)) is not None
+        and request.num_computed_tokens >= request.num_tokens
+    }
+
+
 def fake_model_output(
-    scheduler: Scheduler, output: SchedulerOutput, variant: int = 0, eos: bool = False
+    output: SchedulerOutput, sampling: set[str], variant: int = 0, eos: bool = False
 ) -> ModelRunnerOutput:
     """What a model run would return: a token (with a log-prob row, for beams)
-    for each request whose prefill this step completes, none for a partial
-    prefill. ``variant`` and ``eos`` change the rows, so beams diverge or end.
+    for each request in ``sampling``, none for a partial prefill. ``variant``
+    and ``eos`` change the rows, so beams diverge or end.
     """
     req_ids = list(output.num_scheduled_tokens)
     n = len(req_ids)
+    # The sampled token first, as vLLM's sampler lists it.
     row = [SAMPLED, SAMPLED, 8 + variant, EOS if eos else 9 + variant, 20, 21, 22]
-    sampled = []
-    for req_id in req_ids:
-        request = scheduler.requests.get(req_id)
-        done = request is not None and request.num_computed_tokens >= (
-            request.num_tokens
-        )
-        sampled.append([SAMPLED] if done else [])
+    sampled = [[SAMPLED] if req_id in sampling else [] for req_id in req_ids]
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
         logprobs=LogprobsLists(
             logprob_token_ids=np.array([row] * n, dtype=np.int64).reshape(n, 7),
-            logprobs=np.array([[-0.1, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6]] * n).reshape(
-                n, 7
-            ),
+            logprobs=np.array([LOGPROBS] * n).reshape(n, 7),
             sampled_token_ranks=np.ones(n, dtype=np.int64),
         ),
     )
@@ -170,13 +180,16 @@ class Driver:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        # As the engine core: one batch at a time, two with async scheduling.
+        self.batch_queue_size = scheduler.vllm_config.max_concurrent_batches
+        self._in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
         self.side: ChunkScheduler = scheduler.connector.scheduler_side
         self.pool_size = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
         self.clients: dict[str, Client] = {}
         self.num_steps = 0
         self.idle_steps = 0
         self.max_idle_steps = 0
-        self.log: list[str] = []
+        self.log: list[str] = []  # the actions, for failure messages
         self.seen: Counter[str] = Counter()  # what happened, for statistics
 
     # -- a client's and an engine core's actions ---------------------------------
@@ -209,38 +222,47 @@ class Driver:
     def running(self) -> list[str]:
         return [r.request_id for r in self.scheduler.running]
 
-    def step(self, variant: int = 0, eos: bool = False) -> SchedulerOutput:
-        """One engine step; records the outputs and checks liveness."""
+    def step(
+        self, variant: int = 0, eos: bool = False, abort_during: int | None = None
+    ) -> None:
+        """One engine-core step, as ``EngineCore.step`` (or, with async
+        scheduling, ``step_with_batch_queue``: schedule the next batch while
+        one runs, then wait for the oldest); ``abort_during`` picks an open
+        client to abort while the batch runs (aborts that arrive then are
+        processed just before ``update_from_output``)."""
         scheduler = self.scheduler
-        runnable = bool(
-            scheduler.waiting or scheduler.running or scheduler.kv_holding_waiting
-        )
-        output = scheduler.schedule()
+        if scheduler.has_requests():
+            runnable = bool(
+                scheduler.waiting or scheduler.running or scheduler.kv_holding_waiting
+            )
+            output = scheduler.schedule()
+            self._in_flight.appendleft((output, completing(scheduler, output)))
+            self._scheduled(output, runnable)
+            if len(self._in_flight) < self.batch_queue_size and (
+                output.total_num_scheduled_tokens > 0 or scheduler.has_requests()
+            ):
+                return
+        elif not self._in_flight:
+            return
+        output, sampling = self._in_flight.pop()
+        open_clients = self.open_clients()
+        if abort_during is not None and open_clients:
+            self.abort(open_clients[abort_during % len(open_clients)])
+            self.seen["aborts while a batch runs"] += 1
         engine_outputs = scheduler.update_from_output(
-            output, fake_model_output(scheduler, output, variant, eos)
+            output, fake_model_output(output, sampling, variant, eos)
         )
-        self.num_steps += 1
-        meta = output.kv_connector_metadata
-        self.seen["chunk loads"] += len(meta.loads)
-        self.seen["chunk saves"] += len(meta.saves)
-        self.seen["upstream preemptions"] += len(output.preempted_req_ids)
-        self.seen["copy-on-write forks"] += len(output.kv_cache_block_copies or ())
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
                 self._receive(out)
-        if output.num_scheduled_tokens or not runnable:
-            self.idle_steps = 0
-        else:
-            self.idle_steps += 1
-            self.max_idle_steps = max(self.max_idle_steps, self.idle_steps)
-        self.log.append(f"step {dict(output.num_scheduled_tokens)}")
-        _assert_progress(self)
-        return output
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._in_flight)
 
     def drain(self, max_steps: int) -> None:
         """Steps, with no new arrivals, until no request is left."""
         for _ in range(max_steps):
-            if not self.scheduler.has_requests():
+            if not self.has_work():
                 return
             self.step()
         raise AssertionError(
@@ -248,18 +270,36 @@ class Driver:
             f"{_queues(self.scheduler)}"
         )
 
+    def _scheduled(self, output: SchedulerOutput, runnable: bool) -> None:
+        """Records a schedule and checks liveness."""
+        self.num_steps += 1
+        meta = output.kv_connector_metadata
+        self.seen["chunk loads"] += len(meta.loads)
+        self.seen["chunk saves"] += len(meta.saves)
+        self.seen["upstream preemptions"] += len(output.preempted_req_ids)
+        self.seen["copy-on-write forks"] += len(output.kv_cache_block_copies or ())
+        self.seen["two batches in flight"] += len(self._in_flight) > 1
+        self.seen["deferred block frees"] += bool(self.scheduler.deferred_frees)
+        if output.num_scheduled_tokens or not runnable:
+            self.idle_steps = 0
+        else:
+            self.idle_steps += 1
+            self.max_idle_steps = max(self.max_idle_steps, self.idle_steps)
+        self.log.append(f"step {dict(output.num_scheduled_tokens)}")
+        _assert_progress(self)
+
     def _receive(self, out: EngineCoreOutput) -> None:
         client = self.clients.get(out.request_id)
         assert client is not None, (
             f"output of {out.request_id!r} reached the client, which never sent "
             "it (an internal request leaked out of the hook layer)"
         )
+        assert not client.finals, f"{out.request_id}: an output after its final one"
+        assert not client.aborted or client.answer_in_flight, (
+            f"{out.request_id}: an output after its abort"
+        )
         if out.finish_reason is None:
             return
-        assert not client.finals, f"{out.request_id}: a second final output"
-        assert not client.aborted or client.answer_in_flight, (
-            f"{out.request_id}: final output after its abort"
-        )
         client.finals.append(out)
         self.seen[f"{client.kind} {out.finish_reason.name} {out.stop_reason}"] += 1
 
@@ -315,7 +355,7 @@ def _queues(scheduler: Scheduler) -> dict[str, Any]:
 def _assert_progress(driver: Driver) -> None:
     assert driver.idle_steps <= MAX_IDLE_STEPS, (
         f"no token scheduled for {driver.idle_steps} steps while requests could "
-        f"run: {_queues(driver.scheduler)}"
+        f"run: {_queues(driver.scheduler)}; last actions: {driver.log[-8:]}"
     )
 
 

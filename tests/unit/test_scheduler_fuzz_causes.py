@@ -58,8 +58,9 @@ def test_resetting_running_requests_releases_held_beams(
     model_config: ModelConfig,
 ) -> None:
     """``reset_prefix_cache(reset_running_requests=True)`` preempts every
-    running request and then requires every block free, else raises (a
-    crash of the engine core); a beam group's held blocks stayed held."""
+    running request and then requires every block free, else raises (the
+    utility call fails, everything preempted); a beam group's held blocks
+    stayed held."""
     driver = Driver(make_full_scheduler(model_config))
     config = BeamConfig(width=2, max_tokens=3, eos_token_id=EOS)
     root = make_request(
