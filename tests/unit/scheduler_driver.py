@@ -59,10 +59,11 @@ def make_full_scheduler(
     num_blocks: int = 24,
     max_num_seqs: int = 4,
     max_num_batched_tokens: int = 64,
-    chunk_cache_device_fraction: float = 0.25,
     async_scheduling: bool = False,
+    **kvreuse: Any,
 ) -> Scheduler:
-    """A real scheduler with all four features and the chunk-cache connector.
+    """A real scheduler with all four features and the chunk-cache connector;
+    ``kvreuse`` overrides plugin settings (a store of 0.25 of the pool).
 
     The KV-cache config names one tensor per layer group so the chunk
     store's capacity (a fraction of the KV cache's bytes) is not zero.
@@ -87,8 +88,9 @@ def make_full_scheduler(
                 enable_continuation=True,
                 engine_beam_search=True,
                 global_cache_hit_threshold=0.0,
-                chunk_cache_device_fraction=chunk_cache_device_fraction,
+                chunk_cache_device_fraction=0.25,
             )
+            | kvreuse
         },
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -276,6 +278,7 @@ class Driver:
         meta = output.kv_connector_metadata
         self.seen["chunk loads"] += len(meta.loads)
         self.seen["chunk saves"] += len(meta.saves)
+        self.seen["chunk demotions"] += sum(op.kind == "demote" for op in meta.ops)
         self.seen["upstream preemptions"] += len(output.preempted_req_ids)
         self.seen["copy-on-write forks"] += len(output.kv_cache_block_copies or ())
         self.seen["two batches in flight"] += len(self._in_flight) > 1

@@ -61,6 +61,7 @@ DRAIN_STEPS = 400
 EXERCISED = (
     "chunk loads",
     "chunk saves",
+    "chunk demotions",  # to the CPU tier
     "chunk degraded",  # a chunk larger than the store, or a store full of pins
     "chunk replanned",  # a fill that failed before storing its chunk
     "upstream preemptions",
@@ -111,6 +112,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.sampled_from([32, 64, 256]),
         max_num_seqs=st.sampled_from([2, 4, 8]),
         store=st.sampled_from([0.05, 0.25, 0.5]),
+        cpu_store=st.sampled_from([0.0, 2e-5]),
+        mode=st.sampled_from(["isolated", "system"]),
         async_scheduling=st.booleans(),
     )
     def build(
@@ -119,18 +122,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget: int,
         max_num_seqs: int,
         store: float,
+        cpu_store: float,
+        mode: str,
         async_scheduling: bool,
     ) -> None:
         """A pool of 12 to 40 blocks; a chunk store of a fraction of its size
-        (0.05 of 12 blocks holds 19 tokens: most chunks do not fit)."""
+        (0.05 of 12 blocks holds 19 tokens: most chunks do not fit), with or
+        without a CPU tier (2e-5 GiB holds 83 tokens); in "system" mode a
+        chunked request's first segment is its system prompt."""
         self.driver = Driver(
             make_full_scheduler(
                 self.model_config,
                 num_blocks=num_blocks,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget,
-                chunk_cache_device_fraction=store,
                 async_scheduling=async_scheduling,
+                chunk_cache_device_fraction=store,
+                chunk_cache_cpu_gib=cpu_store,
+                chunk_attention=mode,
             )
         )
 

@@ -1,7 +1,9 @@
-"""What the randomised scheduler test found, each as its minimal sequence.
+"""The causes of issue 14's stall, as the randomised scheduler test judged them.
 
-Each test replays the shrunk sequence of actions hypothesis reported (see
-``test_scheduler_fuzz.py``) on a real scheduler with every feature on.
+Found (fixed): each test replays the shrunk sequence hypothesis reported
+(``test_scheduler_fuzz.py``) on a real scheduler with every feature on.
+Ruled out by the redesign (a chunked request waits for its fills holding no
+block): each test keeps the suspected sequence from coming back.
 """
 
 from __future__ import annotations
@@ -22,12 +24,25 @@ def _chunked(request_id: str, doc: list[int], max_tokens: int = 2):
     )
 
 
+def _assert_holds_no_blocks(driver: Driver, request_id: str) -> None:
+    manager = driver.scheduler.kv_cache_manager
+    held = [
+        single.req_to_blocks[request_id]
+        for single in manager.coordinator.single_type_managers
+        if single.req_to_blocks.get(request_id)
+    ]
+    assert not held, f"{request_id} holds blocks while it waits for its fills"
+
+
 def _assert_answered(
     driver: Driver, *request_ids: str, reason: FinishReason = FinishReason.LENGTH
 ) -> None:
     for request_id in request_ids:
         finals = [out.finish_reason for out in driver.clients[request_id].finals]
         assert finals == [reason], f"{request_id}: final outputs {finals}"
+
+
+# -- found ---------------------------------------------------------------------
 
 
 def test_a_chunk_its_request_will_load_stays_stored(model_config: ModelConfig) -> None:
@@ -76,4 +91,52 @@ def test_resetting_running_requests_releases_held_beams(
     driver.check()
     driver.drain(max_steps=50)
     _assert_answered(driver, "root", reason=FinishReason.STOP)
+    driver.check_drained()
+
+
+# -- ruled out -----------------------------------------------------------------
+
+
+def test_a_request_aborted_while_its_fills_run_leaves_nothing(
+    model_config: ModelConfig,
+) -> None:
+    """Suspected: blocks of a request aborted while waiting for its load never
+    returned. It waits without blocks now; its fill runs on and stores."""
+    # A 32-token budget: the 70-token doc's fill takes three steps.
+    driver = Driver(make_full_scheduler(model_config, max_num_batched_tokens=32))
+    driver.add(_chunked("waiting", list(range(1000, 1070))), "chunked")
+    driver.step()
+    assert driver.side.fills, "the fill finished in one step; the test needs more"
+    _assert_holds_no_blocks(driver, "waiting")
+    driver.abort("waiting")
+    driver.check()
+    driver.drain(max_steps=20)
+    driver.scheduler.reset_prefix_cache(reset_connector=True)
+    driver.check_drained()
+
+
+def test_a_preempted_chunked_request_waits_for_refills_without_blocks(
+    model_config: ModelConfig,
+) -> None:
+    """Suspected: a circular wait. A chunked request preempted after its load,
+    its chunk evicted meanwhile, needs a re-fill; a request at the head that
+    fills the pool waits for blocks. The preempted request holds none while
+    it waits, so the re-fill and the big request fit (3 + 8 of 11 blocks)."""
+    driver = Driver(
+        make_full_scheduler(model_config, num_blocks=12, max_num_batched_tokens=256)
+    )
+    driver.add(_chunked("chunked", list(range(1000, 1070)), max_tokens=8), "chunked")
+    driver.step()  # the fill stores the chunk
+    driver.step()  # the request loads it and computes its question
+    assert driver.running() == ["chunked"]
+    driver.scheduler.reset_prefix_cache(reset_connector=True)  # evicts the chunk
+    assert not driver.side.index.entries
+    driver.add(make_request("big", list(range(3000, 3240)), max_tokens=8), "plain")
+    driver.preempt("chunked")
+    assert driver.side.fills, "the preempted request's chunk is not filled again"
+    _assert_holds_no_blocks(driver, "chunked")
+    driver.check()
+    driver.drain(max_steps=60)
+    _assert_answered(driver, "chunked", "big")
+    driver.scheduler.reset_prefix_cache(reset_connector=True)
     driver.check_drained()
