@@ -15,6 +15,9 @@ Block ownership:
   step after next is selected; beams that die are released then too.
 - Under memory pressure the oldest group's held blocks are released, so held
   beams can never deadlock the queue; its members then use the prefix cache.
+- ``reset_prefix_cache`` releases every group's held blocks: with
+  ``reset_running_requests`` vLLM requires the whole pool free afterwards
+  and raises otherwise; waiting members then compute their prompts.
 - When the group ends, fails or is aborted, everything it holds is released
   and its live members are aborted.
 
@@ -178,6 +181,10 @@ class EngineBeamSearch(Feature):
                 self._release_held(group.beam_ids)
                 return True
         return False
+
+    def reset_cache(self) -> None:
+        for group in self._groups.values():
+            self._release_held(group.beam_ids)
 
     def waiting_summary(self) -> dict[str, int]:
         return {
