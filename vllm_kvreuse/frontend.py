@@ -148,23 +148,36 @@ def mark_catalog(request: Any, params: Any) -> Any:
     return params
 
 
+def _request_model(original: type, **namespace: Any) -> type:
+    """A subclass of the pydantic request model ``original`` that checks the
+    plugin's strict booleans and carries ``sid_catalog`` into beam params."""
+
+    def kvreuse_strict_bools(cls: type, data: Any) -> Any:
+        return check_strict_bools(data)
+
+    def to_beam_search_params(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params = original.to_beam_search_params(self, *args, **kwargs)
+        return mark_catalog(self, params)
+
+    return type(
+        original.__name__,
+        (original,),
+        {
+            "__doc__": original.__doc__,
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "kvreuse_strict_bools": model_validator(mode="before")(
+                classmethod(kvreuse_strict_bools)
+            ),
+            "to_beam_search_params": to_beam_search_params,
+            **namespace,
+        },
+    )
+
+
 def strict_chat_completion_request(original: type) -> type:
     """``ChatCompletionRequest`` whose ``use_beam_search`` must be a boolean."""
-
-    class ChatCompletionRequest(original):  # type: ignore[misc, valid-type]
-        __doc__ = original.__doc__
-        __module__ = original.__module__
-        __qualname__ = original.__qualname__
-
-        @model_validator(mode="before")
-        @classmethod
-        def kvreuse_strict_bools(cls, data: Any) -> Any:
-            return check_strict_bools(data)
-
-        def to_beam_search_params(self, *args: Any, **kwargs: Any) -> Any:
-            return mark_catalog(self, super().to_beam_search_params(*args, **kwargs))
-
-    return ChatCompletionRequest
+    return _request_model(original)
 
 
 def promptless_completion_request(original: type) -> type:
@@ -172,26 +185,16 @@ def promptless_completion_request(original: type) -> type:
     ``continuation_of`` or ``chunks`` (the renderers above check it), and
     whose ``use_beam_search`` must be a boolean."""
 
-    class CompletionRequest(original):  # type: ignore[misc, valid-type]
-        __doc__ = original.__doc__
-        __module__ = original.__module__
-        __qualname__ = original.__qualname__
+    def validate_prompt_and_prompt_embeds(cls: type, data: Any) -> Any:
+        if isinstance(data, dict) and any(
+            data.get(name) is not None for name in PROMPTLESS_FIELDS
+        ):
+            return data
+        return original.validate_prompt_and_prompt_embeds(data)
 
-        @model_validator(mode="before")
-        @classmethod
-        def kvreuse_strict_bools(cls, data: Any) -> Any:
-            return check_strict_bools(data)
-
-        def to_beam_search_params(self, *args: Any, **kwargs: Any) -> Any:
-            return mark_catalog(self, super().to_beam_search_params(*args, **kwargs))
-
-        @model_validator(mode="before")
-        @classmethod
-        def validate_prompt_and_prompt_embeds(cls, data: Any) -> Any:
-            if isinstance(data, dict) and any(
-                data.get(name) is not None for name in PROMPTLESS_FIELDS
-            ):
-                return data
-            return original.validate_prompt_and_prompt_embeds(data)
-
-    return CompletionRequest
+    return _request_model(
+        original,
+        validate_prompt_and_prompt_embeds=model_validator(mode="before")(
+            classmethod(validate_prompt_and_prompt_embeds)
+        ),
+    )
