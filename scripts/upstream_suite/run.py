@@ -184,6 +184,7 @@ class Run:
     wall_s: float = 0.0
     returncode: int = 0
     outcomes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    selection: str = ""
     report: dict = field(default_factory=dict)
 
     def totals(self) -> dict[str, int]:
@@ -229,7 +230,9 @@ def run_mode(
     ]
     for node, _why in DESELECT:
         cmd.append(f"--deselect={node}")
-    cmd += args.pytest_args or list(DEFAULT_PATHS)
+    selection = args.pytest_args or list(DEFAULT_PATHS)
+    cmd += selection
+    (results / f"{mode}.selection").write_text(" ".join(selection) + "\n")
     log(f"mode {mode}: running pytest, output in {out}")
     start = time.monotonic()
     with out.open("w") as sink:
@@ -245,6 +248,9 @@ def load_results(run: Run, results: Path) -> None:
     report = results / f"{run.mode}.report.json"
     if report.exists():
         run.report = json.loads(report.read_text())
+    selection = results / f"{run.mode}.selection"
+    if selection.exists():
+        run.selection = selection.read_text().strip()
     wall = results / f"{run.mode}.wall_s"
     if wall.exists() and not run.wall_s:
         run.wall_s = float(wall.read_text())
@@ -326,11 +332,17 @@ def summarize(runs: list[Run]) -> int:
                 and node in run.outcomes
                 and run.outcomes[node][0] in ("failed", "error")
             )
+            # A run over other tests than the baseline's (a subset given after
+            # --) is compared on the tests both ran.
             gone = sorted(
                 node
                 for node, (outcome, _) in base.outcomes.items()
-                if outcome == "passed" and node not in run.outcomes
+                if outcome == "passed"
+                and node not in run.outcomes
+                and run.selection == base.selection
             )
+            if run.selection != base.selection:
+                print(f"-- {run.mode} ran: {run.selection}")
             print()
             print(f"== passing in {BASELINE}, failing in {run.mode}: {len(worse)} ==")
             for node, (outcome, message) in worse:
