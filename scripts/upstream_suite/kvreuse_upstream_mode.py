@@ -3,9 +3,10 @@
 Loaded with ``-p kvreuse_upstream_mode`` into vLLM's own test suite; test
 tooling only, never part of the plugin. ``KVREUSE_UPSTREAM_MODE`` picks:
 
-- ``off``: vllm-kvreuse must not load (the runner sets ``VLLM_PLUGINS`` to
-  every other plugin's name). Checked at the start and at the end of the
-  session: no ``vllm_kvreuse`` module imported, no patch marker on any target.
+- ``off``: the entry point reaches a stub ``vllm_kvreuse`` whose
+  ``register()`` does nothing (the runner puts it first on PYTHONPATH).
+  Checked at the end of the session: the stub is what was imported, and no
+  target of the real patch registry carries a patch marker.
 - ``flags-off``: the plugin loads as in any vLLM process, every setting at its
   default. Checked: every patch in the registry is applied.
 - ``features-on``: as ``flags-off``, and (1) every ``VllmConfig`` built in this
@@ -45,7 +46,9 @@ FEATURES: dict[str, Any] = {
     "retain_kv_max_fraction": 0.25,
 }
 
-_report: dict[str, Any] = {"mode": MODE, "features": FEATURES}
+_report: dict[str, Any] = {"mode": MODE}
+if MODE == "features-on":
+    _report["features"] = FEATURES
 _injected = [0]
 
 
@@ -57,9 +60,27 @@ def _kvreuse_modules() -> list[str]:
     )
 
 
+def _registry() -> Any:
+    """The plugin's patch registry, read from the checkout (not the stub).
+
+    ``patches.py`` imports only the standard library at module level, and
+    importing it applies nothing.
+    """
+    import importlib.util
+
+    path = Path(os.environ["KVREUSE_UPSTREAM_PLUGIN_DIR"]) / "patches.py"
+    spec = importlib.util.spec_from_file_location("_kvreuse_registry", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def _patch_state() -> tuple[list[str], list[str]]:
     """(applied, missing) patch targets of the plugin's registry."""
-    from vllm_kvreuse.patches import MARKER, PATCHES
+    registry = _registry()
+    MARKER, PATCHES = registry.MARKER, registry.PATCHES
 
     applied, missing = [], []
     for patch in PATCHES:
@@ -101,12 +122,12 @@ def pytest_configure(config: pytest.Config) -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    if MODE == "off":
-        _report["modules_at_start"] = _kvreuse_modules()
-        return
     import vllm_kvreuse
 
     _report["plugin_path"] = str(Path(vllm_kvreuse.__file__).parent)
+    _report["stub"] = bool(getattr(vllm_kvreuse, "UPSTREAM_SUITE_STUB", False))
+    if MODE == "off":
+        return
     applied, missing = _patch_state()
     _report["patches_applied"] = len(applied)
     _report["patches_missing"] = missing
@@ -142,7 +163,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if MODE == "off":
         _report["modules_at_end"] = _kvreuse_modules()
-        # Importing the registry applies nothing; it names the targets to check.
         applied, _ = _patch_state()
         _report["patches_applied"] = len(applied)
         _report["patched_targets"] = applied

@@ -30,7 +30,6 @@ import tarfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from importlib.metadata import distributions
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,17 +164,24 @@ def plugin_link(cache: Path) -> Path:
     return pkg
 
 
-def other_plugin_names() -> str:
-    """VLLM_PLUGINS for the ``off`` mode: every plugin vLLM would load but ours."""
-    names = set()
-    for ep in (ep for dist in distributions() for ep in dist.entry_points):
-        if not ep.group.startswith("vllm.") or ep.group == "vllm.endpoint_plugins":
-            continue
-        if not ep.value.startswith("vllm_kvreuse"):
-            names.add(ep.name)
-    names.discard("kvreuse")
-    # "" parses to [""], an allowlist that matches no plugin.
-    return ",".join(sorted(names))
+def plugin_stub(cache: Path) -> Path:
+    """A folder holding a ``vllm_kvreuse`` whose ``register()`` does nothing.
+
+    The ``off`` mode puts it first on PYTHONPATH: vLLM still finds the entry
+    point and calls it (in the test process and in every subprocess) but
+    nothing is patched. ``VLLM_PLUGINS`` would not do: it is an allowlist, and
+    a test that loads a fake plugin through ``load_general_plugins()``
+    (``test_scheduler_kv_connector_override.py``) fails under it.
+    """
+    stub = cache / "stub" / "vllm_kvreuse"
+    stub.mkdir(parents=True, exist_ok=True)
+    (stub / "__init__.py").write_text(
+        '"""Stand-in for vllm-kvreuse in the upstream suite\'s off mode."""\n\n'
+        "UPSTREAM_SUITE_STUB = True\n\n\n"
+        "def register() -> None:\n"
+        "    pass\n"
+    )
+    return stub.parent
 
 
 @dataclass
@@ -204,10 +210,9 @@ def run_mode(
         path.unlink(missing_ok=True)
     env = dict(env_base, KVREUSE_UPSTREAM_MODE=mode)
     env["KVREUSE_UPSTREAM_REPORT"] = str(report)
-    if mode == "off":
-        env["VLLM_PLUGINS"] = other_plugin_names()
-    else:
-        env.pop("VLLM_PLUGINS", None)
+    env["KVREUSE_UPSTREAM_PLUGIN_DIR"] = str(REPO / "vllm_kvreuse")
+    plugin = plugin_stub(args.cache) if mode == "off" else plugin_link(args.cache)
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin), env_base["PYTHONPATH"]])
     cmd = [
         sys.executable,
         "-m",
@@ -284,8 +289,10 @@ def check_report(run: Run) -> list[str]:
         return [f"{run.mode}: no mode report (pytest did not reach its end)"]
     problems = []
     if run.mode == "off":
-        if r.get("modules_at_start") or r.get("modules_at_end"):
-            problems.append(f"off: vllm_kvreuse was imported: {r['modules_at_end']}")
+        if not r.get("stub"):
+            problems.append(
+                f"off: vllm_kvreuse is not the stub: {r.get('plugin_path')}"
+            )
         if r.get("patches_applied"):
             problems.append(f"off: patches applied: {r.get('patched_targets')}")
     else:
@@ -382,6 +389,11 @@ def main() -> int:
         help=f"comma-separated, from {','.join(MODES)} (default: all)",
     )
     parser.add_argument(
+        "--results",
+        type=Path,
+        help="where junit XML, logs and reports go (default: <cache>/results)",
+    )
+    parser.add_argument(
         "--timeout", type=int, default=300, help="per-test timeout in seconds"
     )
     parser.add_argument(
@@ -399,8 +411,8 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown mode(s) {sorted(unknown)}")
-    cache = args.cache.resolve()
-    results = cache / "results"
+    cache = args.cache = args.cache.resolve()
+    results = (args.results or cache / "results").resolve()
     results.mkdir(parents=True, exist_ok=True)
 
     if args.compare_only:
@@ -416,9 +428,10 @@ def main() -> int:
     site = cache / "site"
     install_test_packages(root, site)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        str(p) for p in (plugin_link(cache), site, HELPER_DIR)
-    )
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (site, HELPER_DIR))
+    # Every plugin vLLM finds loads in every mode; only which vllm_kvreuse
+    # the entry point reaches differs (see plugin_stub and plugin_link).
+    env.pop("VLLM_PLUGINS", None)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # No hub here: configs come from a local cache, and nothing may wait on
     # the network (each miss would cost minutes of retries).
