@@ -188,7 +188,7 @@ def plugin_stub(cache: Path) -> Path:
 class Run:
     mode: str
     wall_s: float = 0.0
-    returncode: int = 0
+    returncode: int | None = 0
     outcomes: dict[str, tuple[str, str]] = field(default_factory=dict)
     selection: str = ""
     report: dict = field(default_factory=dict)
@@ -243,7 +243,7 @@ def run_mode(
     with out.open("w") as sink:
         proc = subprocess.run(cmd, cwd=root, env=env, stdout=sink, stderr=sink)
     run = Run(mode, wall_s=time.monotonic() - start, returncode=proc.returncode)
-    (results / f"{mode}.wall_s").write_text(f"{run.wall_s:.1f}\n")
+    (results / f"{mode}.wall_s").write_text(f"{run.wall_s:.1f} {run.returncode}\n")
     load_results(run, results)
     return run
 
@@ -258,7 +258,9 @@ def load_results(run: Run, results: Path) -> None:
         run.selection = selection.read_text().strip()
     wall = results / f"{run.mode}.wall_s"
     if wall.exists() and not run.wall_s:
-        run.wall_s = float(wall.read_text())
+        wall_s, _, returncode = wall.read_text().partition(" ")
+        run.wall_s = float(wall_s)
+        run.returncode = int(returncode) if returncode.strip() else None
     if not xml.exists():
         return
     rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
