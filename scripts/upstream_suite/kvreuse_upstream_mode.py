@@ -43,7 +43,7 @@ MODE = os.environ.get("KVREUSE_UPSTREAM_MODE", "")
 FEATURES: dict[str, Any] = {
     "engine_beam_search": True,
     "global_cache_hit_threshold": 0.0,
-    "retain_kv_max_fraction": 0.25,
+    "enable_continuation": True,
 }
 
 _report: dict[str, Any] = {"mode": MODE}
@@ -109,7 +109,7 @@ def _inject_features() -> None:
 
 def _composed(base: type) -> type:
     """The class the plugin's get_scheduler_cls returns for ``base``."""
-    from vllm_kvreuse.scheduler import compose
+    from vllm_kvreuse.core.layer import compose
 
     return compose(base)
 
