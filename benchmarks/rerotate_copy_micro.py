@@ -58,6 +58,19 @@ def rope_table(head_size: int, max_pos: int, base: float, device) -> Rope:
 
 def paged_layers(args, shape: KVShape, num_blocks: int) -> list[PagedKV]:
     """Views of caches allocated as a worker of ``args.backend`` gets them."""
+    if args.backend == "ASCEND":
+        from vllm_kvreuse.device.npu import ascend_views
+        from vllm_kvreuse.testing.ascend_layout import ascend_layer
+
+        return [
+            ascend_views(
+                ascend_layer(num_blocks, shape.num_kv_heads, shape.head_size,
+                             shape.dtype, block_size=args.block_size,
+                             device=args.device),
+                args.block_size,
+            )
+            for _ in range(shape.num_layers)
+        ]  # fmt: skip
     if args.backend == "CPU_ATTN":
         caches = allocate(shape, num_blocks, args.block_size, KVCacheLayout.LBHNC)
         return [cpu_attn_views(c, args.block_size, "vec") for c in caches.values()]
@@ -72,9 +85,10 @@ def time_it(fn: Callable[[], object], device, warmup: int, repeats: int) -> floa
         fn()
     samples = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
+        if device.type in ("cuda", "npu"):
+            accelerator = getattr(torch, device.type)
+            start = accelerator.Event(enable_timing=True)
+            end = accelerator.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
@@ -93,6 +107,10 @@ def all_ops(args, layers: list[PagedKV], rope: Rope) -> dict[str, DeviceOps]:
         from vllm_kvreuse.device.triton_ops import TritonOps
 
         ops["triton"] = TritonOps(layers, rope)
+    if args.backend == "ASCEND":  # on a CPU too: its torch path, for a check
+        from vllm_kvreuse.device.npu import AscendOps
+
+        ops["ascend"] = AscendOps(layers, rope)
     return ops
 
 
@@ -164,16 +182,27 @@ def markdown(rows: list[dict[str, float | str]]) -> str:
     return "\n".join(lines)
 
 
+def npu_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """vllm-ascend's layout: (k, v) per layer, 128-token blocks."""
+    args.device = torch.device("npu")
+    args.backend = "ASCEND"
+    args.dtype = args.dtype or "bfloat16"
+    args.tokens = args.tokens or [1024, 4096, 16384]
+    args.block_size = args.block_size or 128
+    args.repeats = args.repeats or 50
+    return args
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"],
+    parser.add_argument("--device", choices=["cpu", "cuda", "npu"],
                         default="cuda" if cuda else "cpu")  # fmt: skip
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None)
     parser.add_argument("--backend", default=None,
                         choices=["FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION",
-                                 "FLASHINFER", "CPU_ATTN"])  # fmt: skip
+                                 "FLASHINFER", "CPU_ATTN", "ASCEND"])  # fmt: skip
     parser.add_argument("--layout", choices=[m.name for m in KVCacheLayout],
                         default="LBNHC", help="for the CUDA backends")  # fmt: skip
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
@@ -184,6 +213,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.device == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+        except ImportError:
+            parser.error("--device npu needs torch_npu (Ascend CANN)")
+        return npu_defaults(args)
     on_cuda = args.device == "cuda"
     if on_cuda and not cuda:
         parser.error("--device cuda but torch.cuda.is_available() is False")
@@ -193,7 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("CPU_ATTN caches live on the CPU")
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     args.tokens = args.tokens or ([1024, 4096, 16384] if on_cuda else [1024, 4096])
-    args.block_size = args.block_size or (16 if on_cuda else 32)
+    ascend = args.backend == "ASCEND"
+    args.block_size = args.block_size or (128 if ascend else 16 if on_cuda else 32)
     args.repeats = args.repeats or (50 if on_cuda else 10)
     return args
 

@@ -14,6 +14,15 @@ from typing import Any
 
 from vllm_kvreuse.config import OPTIONS, OPTIONS_BY_NAME, KVReuseConfig, merge_settings
 
+
+def attach_catalog_processor(engine_args: Any) -> None:
+    """``--sid-catalog``: the catalog's logits processor (imported lazily:
+    loading the plugin must not import torch-heavy modules)."""
+    from vllm_kvreuse.beam.catalog_setup import attach_catalog_processor as attach
+
+    attach(engine_args)
+
+
 GROUP_TITLE = "vllm-kvreuse"
 
 
@@ -91,6 +100,7 @@ def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
                 engine_args.additional_config, settings
             )
         attach_chunk_connector(engine_args)
+        attach_catalog_processor(engine_args)
         return engine_args
 
     return from_cli_args
@@ -107,5 +117,6 @@ def wrap_engine_args_init(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         original(self, *args, **kwargs)
         attach_chunk_connector(self)
+        attach_catalog_processor(self)
 
     return __init__

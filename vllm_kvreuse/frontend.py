@@ -16,6 +16,7 @@ from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse import request_args
 from vllm_kvreuse.admission import frontend as admission
+from vllm_kvreuse.beam import frontend as beam_frontend
 from vllm_kvreuse.chunk_cache import frontend as chunks
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import frontend as continuation
@@ -120,7 +121,10 @@ def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]
     return render_chat_request
 
 
-STRICT_BOOLS = ("use_beam_search",)
+SID_CATALOG = "sid_catalog"
+"""Body field: constrain the beams to the server's SID catalog."""
+
+STRICT_BOOLS = ("use_beam_search", SID_CATALOG)
 """Body fields that must be JSON booleans: pydantic would read ``"yes"`` as
 true, and engine-side beam search then serves a request the client may not
 have meant."""
@@ -132,23 +136,48 @@ def check_strict_bools(data: Any) -> Any:
             value = data.get(name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
+        if data.get(SID_CATALOG) and not data.get("use_beam_search"):
+            raise ValueError(f"{SID_CATALOG} applies to use_beam_search requests")
     return data
+
+
+def mark_catalog(request: Any, params: Any) -> Any:
+    """Carries the body's ``sid_catalog`` into the ``BeamSearchParams``."""
+    if (request.model_extra or {}).get(SID_CATALOG):
+        beam_frontend.mark_catalog_params(params)
+    return params
+
+
+def _request_model(original: type, **namespace: Any) -> type:
+    """A subclass of the pydantic request model ``original`` that checks the
+    plugin's strict booleans and carries ``sid_catalog`` into beam params."""
+
+    def kvreuse_strict_bools(cls: type, data: Any) -> Any:
+        return check_strict_bools(data)
+
+    def to_beam_search_params(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params = original.to_beam_search_params(self, *args, **kwargs)
+        return mark_catalog(self, params)
+
+    return type(
+        original.__name__,
+        (original,),
+        {
+            "__doc__": original.__doc__,
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "kvreuse_strict_bools": model_validator(mode="before")(
+                classmethod(kvreuse_strict_bools)
+            ),
+            "to_beam_search_params": to_beam_search_params,
+            **namespace,
+        },
+    )
 
 
 def strict_chat_completion_request(original: type) -> type:
     """``ChatCompletionRequest`` whose ``use_beam_search`` must be a boolean."""
-
-    class ChatCompletionRequest(original):  # type: ignore[misc, valid-type]
-        __doc__ = original.__doc__
-        __module__ = original.__module__
-        __qualname__ = original.__qualname__
-
-        @model_validator(mode="before")
-        @classmethod
-        def kvreuse_strict_bools(cls, data: Any) -> Any:
-            return check_strict_bools(data)
-
-    return ChatCompletionRequest
+    return _request_model(original)
 
 
 def promptless_completion_request(original: type) -> type:
@@ -156,23 +185,16 @@ def promptless_completion_request(original: type) -> type:
     ``continuation_of`` or ``chunks`` (the renderers above check it), and
     whose ``use_beam_search`` must be a boolean."""
 
-    class CompletionRequest(original):  # type: ignore[misc, valid-type]
-        __doc__ = original.__doc__
-        __module__ = original.__module__
-        __qualname__ = original.__qualname__
+    def validate_prompt_and_prompt_embeds(cls: type, data: Any) -> Any:
+        if isinstance(data, dict) and any(
+            data.get(name) is not None for name in PROMPTLESS_FIELDS
+        ):
+            return data
+        return original.validate_prompt_and_prompt_embeds(data)
 
-        @model_validator(mode="before")
-        @classmethod
-        def kvreuse_strict_bools(cls, data: Any) -> Any:
-            return check_strict_bools(data)
-
-        @model_validator(mode="before")
-        @classmethod
-        def validate_prompt_and_prompt_embeds(cls, data: Any) -> Any:
-            if isinstance(data, dict) and any(
-                data.get(name) is not None for name in PROMPTLESS_FIELDS
-            ):
-                return data
-            return original.validate_prompt_and_prompt_embeds(data)
-
-    return CompletionRequest
+    return _request_model(
+        original,
+        validate_prompt_and_prompt_embeds=model_validator(mode="before")(
+            classmethod(validate_prompt_and_prompt_embeds)
+        ),
+    )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from vllm_kvreuse.admission.policy import parse_threshold
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.policy import LEAF_EOS_KEY, NODE_KEY, BeamConfig, parse_token_id
 from vllm_kvreuse.chunk_cache.params import parse_lengths
 from vllm_kvreuse.continuation.params import parse_retain_kv, parse_retain_kv_ttl
 
@@ -84,6 +84,10 @@ KEYS: tuple[ArgKey, ...] = (
            "Engine id of the request whose held blocks this one inherits."),
     ArgKey("kvreuse_beam", "beam", False, BeamConfig.parse,
            "A beam-search root request's configuration."),
+    ArgKey(NODE_KEY, "beam", False, parse_token_id,
+           "A catalog beam's SID trie node."),
+    ArgKey(LEAF_EOS_KEY, "beam", False, parse_token_id,
+           "The token a catalog beam at a whole item may take (EOS)."),
     ArgKey("kvreuse_chunks", "chunk_cache", False, parse_lengths,
            "Token lengths of a chunked prompt's chunks."),
     ArgKey(SEAL, "core", False, _parse_seal,

@@ -14,8 +14,8 @@ import pytest
 import torch
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-from tests.unit.ascend_layout import ascend_layer
 from vllm_kvreuse.patches import PATCHES
+from vllm_kvreuse.testing.ascend_layout import ascend_layer
 
 NUM_BLOCKS = 5
 COPIES = [KVCacheBlockCopy(1, 3), KVCacheBlockCopy(4, 0)]

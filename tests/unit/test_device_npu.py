@@ -13,7 +13,6 @@ import pytest
 import torch
 from vllm.config import ModelConfig, VllmConfig
 
-from tests.unit.ascend_layout import ASCEND_BLOCK_SIZE, ascend_layer
 from vllm_kvreuse.chunk_cache.rope import model_rope
 from vllm_kvreuse.device import DeviceOps, Rope, UnsupportedKVLayout
 from vllm_kvreuse.device.npu import (
@@ -25,6 +24,7 @@ from vllm_kvreuse.device.npu import (
 )
 from vllm_kvreuse.device.npu_kernels import gather_sequence, scatter_slots
 from vllm_kvreuse.device.torch_ops import TorchOps, slots_of, write_tokens
+from vllm_kvreuse.testing.ascend_layout import ASCEND_BLOCK_SIZE, ascend_layer
 
 NUM_BLOCKS = 6
 NUM_LAYERS = 3

@@ -11,6 +11,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_kvreuse.beam import catalog_file
 from vllm_kvreuse.beam.catalog_file import load_catalog, parse_catalog
+from vllm_kvreuse.beam.catalog_setup import PROCESSOR
 from vllm_kvreuse.config import (
     ADDITIONAL_CONFIG_KEY,
     KVReuseConfig,
@@ -182,9 +183,20 @@ def test_cli_flag_reaches_additional_config(tmp_path: Path) -> None:
     path.write_text(OFFSETS + "1 2 3\n")
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--model", "m", "--sid-catalog", str(path)])
+    with pytest.raises(ValueError, match="needs --engine-beam-search"):
+        AsyncEngineArgs.from_cli_args(args)
+    catalog_args = ["--sid-catalog", str(path), "--engine-beam-search"]
+    args = parser.parse_args(["--model", "m", *catalog_args])
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        AsyncEngineArgs.from_cli_args(args)
+    args = parser.parse_args(
+        ["--model", "m", *catalog_args, "--logprobs-mode", "processed_logprobs"]
+    )
     engine_args = AsyncEngineArgs.from_cli_args(args)
     assert engine_args.additional_config[ADDITIONAL_CONFIG_KEY] == {
-        "sid_catalog": str(path)
+        "sid_catalog": str(path),
+        "engine_beam_search": True,
     }
+    assert PROCESSOR in engine_args.logits_processors
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--sid-catalog", str(tmp_path / "no.txt")])

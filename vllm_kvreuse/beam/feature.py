@@ -15,6 +15,9 @@ Block ownership:
   step after next is selected; beams that die are released then too.
 - Under memory pressure the oldest group's held blocks are released, so held
   beams can never deadlock the queue; its members then use the prefix cache.
+- ``reset_prefix_cache`` releases every group's held blocks: with
+  ``reset_running_requests`` vLLM requires the whole pool free afterwards
+  and raises otherwise; waiting members then compute their prompts.
 - When the group ends, fails or is aborted, everything it holds is released
   and its live members are aborted.
 
@@ -33,10 +36,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_kvreuse.beam.catalog_beams import catalog_step
+from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY, engine_catalog
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.request_args import PARENT
@@ -91,6 +97,8 @@ class EngineBeamSearch(Feature):
         self._member_group: dict[str, BeamGroup] = {}  # live members and roots
         self._ready: dict[str, BeamGroup] = {}
         self._parked: list[Request] = []
+        # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
+        self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
 
     # -- requests --------------------------------------------------------------
 
@@ -99,6 +107,10 @@ class EngineBeamSearch(Feature):
         config = BeamConfig.from_extra_args(sampling.extra_args if sampling else None)
         if config is None:
             return
+        if config.sid_catalog and self.catalog is None:
+            raise ValueError(
+                "sid_catalog beams need a server started with --sid-catalog"
+            )
         prompt = list(request.prompt_token_ids or [])
         root_beam = Beam(
             BeamSearchSequence(orig_prompt=None, tokens=prompt, logprobs=[]),
@@ -169,6 +181,10 @@ class EngineBeamSearch(Feature):
                 self._release_held(group.beam_ids)
                 return True
         return False
+
+    def reset_cache(self) -> None:
+        for group in self._groups.values():
+            self._release_held(group.beam_ids)
 
     def waiting_summary(self) -> dict[str, int]:
         return {
@@ -247,7 +263,13 @@ class EngineBeamSearch(Feature):
         if group.root.request_id not in self._groups:
             return  # dropped meanwhile
         rows = [group.results.pop(beam.request_id) for beam in group.beams]
-        step = expand(group.beams, rows, group.config)
+        nodes: list[int] = []
+        if group.config.sid_catalog:
+            assert self.catalog is not None
+            constrained = catalog_step(self.catalog, group.beams, rows, group.config)
+            step, nodes = constrained.step, constrained.nodes
+        else:
+            step = expand(group.beams, rows, group.config)
         group.completed += step.completed
         group.step += 1
         # The previous step's beams have been forked from: their KV can go.
@@ -259,12 +281,16 @@ class EngineBeamSearch(Feature):
             self._drop(group)
             return
         group.beams = [
-            Beam(seq, self._spawn(group, seq.tokens, parent_id, i))
+            Beam(
+                seq,
+                self._spawn(group, seq.tokens, parent_id, i, nodes[i] if nodes else 0),
+                nodes[i] if nodes else 0,
+            )
             for i, (seq, parent_id) in enumerate(step.beams)
         ]
 
     def _spawn(
-        self, group: BeamGroup, tokens: list[int], parent_id: str, index: int
+        self, group: BeamGroup, tokens: list[int], parent_id: str, index: int, node: int
     ) -> str:
         """Adds the request of one beam of the next step; returns its id."""
         root = group.root
@@ -274,6 +300,8 @@ class EngineBeamSearch(Feature):
         # beam search, which sets skip_clone).
         sampling = copy.copy(root.sampling_params)
         sampling.extra_args = {PARENT: parent_id}
+        if group.config.sid_catalog:
+            sampling.extra_args |= self._catalog_args(group.config, node)
         request = Request(
             request_id=f"{root.request_id}-beam{group.step}-{index}",
             prompt_token_ids=list(tokens),
@@ -299,6 +327,15 @@ class EngineBeamSearch(Feature):
         self._member_group[request.request_id] = group
         self.core.internal.spawn(request, self)
         return request.request_id
+
+    def _catalog_args(self, config: BeamConfig, node: int) -> dict[str, int]:
+        """What the catalog's logits processor needs to mask this beam's row."""
+        assert self.catalog is not None
+        args = {NODE_KEY: node}
+        is_leaf = bool(self.catalog.is_leaf(torch.tensor([node])).item())
+        if is_leaf and config.eos_token_id is not None and not config.ignore_eos:
+            args[LEAF_EOS_KEY] = config.eos_token_id
+        return args
 
     def _emit(
         self,

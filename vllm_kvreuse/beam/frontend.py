@@ -24,8 +24,9 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
+from vllm_kvreuse.beam.catalog_setup import engine_catalog
 from vllm_kvreuse.beam.feature import RESULT_KEY
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.policy import NODE_KEY, BeamConfig
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.metrics import count_beam_group
 from vllm_kvreuse.request_args import internal_args
@@ -57,6 +58,57 @@ def check_fits_pool(
         )
 
 
+CATALOG_ATTR = "kvreuse_sid_catalog"
+"""Attribute of a ``BeamSearchParams`` asking for catalog-constrained beams
+(set from the HTTP body's ``sid_catalog``, or by :func:`catalog_beam_params`,
+through :func:`mark_catalog_params`)."""
+
+
+def catalog_beam_params(**kwargs: Any) -> BeamSearchParams:
+    """``BeamSearchParams(**kwargs)`` whose beams stay in the server's SID
+    catalog (``--sid-catalog``), for offline ``LLM.beam_search``."""
+    return mark_catalog_params(BeamSearchParams(**kwargs))
+
+
+def mark_catalog_params(params: BeamSearchParams) -> BeamSearchParams:
+    # BeamSearchParams is a msgspec struct with a __dict__: it takes the mark.
+    params.kvreuse_sid_catalog = True  # type: ignore[attr-defined]
+    return params
+
+
+def wants_catalog(params: BeamSearchParams) -> bool:
+    return bool(getattr(params, CATALOG_ATTR, False))
+
+
+def check_catalog(params: BeamSearchParams, vllm_config: Any) -> None:
+    """Refuses catalog beams the server cannot run (400)."""
+    if not wants_catalog(params):
+        return
+    catalog = engine_catalog(vllm_config, "cpu")
+    if catalog is None:
+        raise VLLMValidationError(
+            "sid_catalog needs a server started with --sid-catalog",
+            parameter="sid_catalog",
+        )
+    if params.max_tokens < catalog.depth:
+        raise VLLMValidationError(
+            f"catalog items are {catalog.depth} tokens long; max_tokens "
+            f"{params.max_tokens} would return partial items",
+            parameter="max_tokens",
+            value=params.max_tokens,
+        )
+
+
+def refuse_catalog_here(params: BeamSearchParams) -> None:
+    """vLLM's own beam search knows no catalog: refuse rather than ignore it."""
+    if wants_catalog(params):
+        raise VLLMValidationError(
+            "sid_catalog needs engine-side beam search (--engine-beam-search) "
+            "on a token prompt",
+            parameter="sid_catalog",
+        )
+
+
 def root_sampling_params(
     params: BeamSearchParams, eos_token_id: int | None, *, keep_eos: bool = False
 ) -> SamplingParams:
@@ -64,8 +116,11 @@ def root_sampling_params(
 
     ``keep_eos``: a beam ended by EOS keeps the EOS token (offline
     ``LLM.beam_search`` does; the OpenAI server follows
-    ``include_stop_str_in_output``).
+    ``include_stop_str_in_output``). Catalog beams ask for one more log-prob
+    (the catalog mask's sink, which the step drops) and are scored at
+    temperature 0: their log-probs are the model's, whatever the sampler.
     """
+    catalog = wants_catalog(params)
     config = BeamConfig(
         width=params.beam_width,
         max_tokens=params.max_tokens,
@@ -73,14 +128,18 @@ def root_sampling_params(
         length_penalty=params.length_penalty,
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=keep_eos or params.include_stop_str_in_output,
+        sid_catalog=catalog,
     )
+    internal = {"kvreuse_beam": config.to_dict()}
+    if catalog:
+        internal[NODE_KEY] = 0
     return SamplingParams(
-        logprobs=2 * params.beam_width,
+        logprobs=2 * params.beam_width + catalog,
         max_tokens=1,
-        temperature=params.temperature,
+        temperature=0.0 if catalog else params.temperature,
         watermarking=False,
         detokenize=False,
-        extra_args=internal_args(kvreuse_beam=config.to_dict()),
+        extra_args=internal_args(**internal),
     )
 
 
@@ -148,6 +207,7 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         engine = self.engine_client
         enabled = KVReuseConfig.from_vllm_config(engine.vllm_config).engine_beam_search
         if not enabled or prompt.get("type") != "token":
+            refuse_catalog_here(params)
             async for output in original(
                 self, prompt, request_id, params, *args, **kwargs
             ):
@@ -156,6 +216,7 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         check_fits_pool(
             len(prompt["prompt_token_ids"]), params, engine.vllm_config.cache_config
         )
+        check_catalog(params, engine.vllm_config)
         tokenizer = self.renderer.get_tokenizer()
         sampling = root_sampling_params(params, tokenizer.eos_token_id)
         outputs = [
@@ -235,9 +296,11 @@ def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         if not KVReuseConfig.from_vllm_config(vllm_config).engine_beam_search or any(
             engine_input["type"] != "token" for engine_input in inputs
         ):
+            refuse_catalog_here(params)
             return original(
                 self, prompts, params, lora_request, use_tqdm, concurrency_limit
             )
+        check_catalog(params, vllm_config)
         for engine_input in inputs:
             check_fits_pool(
                 len(engine_input["prompt_token_ids"]), params, vllm_config.cache_config

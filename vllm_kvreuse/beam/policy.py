@@ -26,6 +26,20 @@ from vllm.entrypoints.generate.beam_search.utils import (
 CONFIG_KEY = "kvreuse_beam"
 """``extra_args`` key of a beam-search root request; its value is a config dict."""
 
+NODE_KEY = "kvreuse_sid_node"
+"""Internal ``extra_args`` key: the SID-catalog trie node a catalog beam's
+next token continues from (0, the root, for the group's first step)."""
+
+LEAF_EOS_KEY = "kvreuse_sid_eos"
+"""Internal ``extra_args`` key: the token allowed after a whole item (EOS),
+absent when a beam at a leaf may not take one (no EOS, ``ignore_eos``)."""
+
+
+def parse_token_id(value: Any) -> int:
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
 
 @dataclass(frozen=True, slots=True)
 class BeamConfig:
@@ -35,6 +49,7 @@ class BeamConfig:
     length_penalty: float = 1.0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    sid_catalog: bool = False  # beams constrained to the server's SID catalog
 
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None) -> BeamConfig | None:
@@ -58,11 +73,15 @@ class BeamConfig:
         penalty = config.length_penalty
         if not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
             raise ValueError("beam length_penalty must be a finite number")
-        if not all(
-            isinstance(flag, bool)
-            for flag in (config.ignore_eos, config.include_stop_str_in_output)
-        ):
-            raise ValueError("beam ignore_eos and include_stop_str_in_output are bools")
+        flags = (
+            config.ignore_eos,
+            config.include_stop_str_in_output,
+            config.sid_catalog,
+        )
+        if not all(isinstance(flag, bool) for flag in flags):
+            raise ValueError(
+                "beam ignore_eos, include_stop_str_in_output and sid_catalog are bools"
+            )
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +102,7 @@ class Beam:
 
     seq: BeamSearchSequence
     request_id: str
+    node: int = 0  # SID catalog trie node (catalog beams only)
 
 
 @dataclass(slots=True)

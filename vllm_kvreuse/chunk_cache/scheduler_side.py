@@ -116,32 +116,30 @@ class ChunkScheduler:
     def hold_chunks(
         self, prompt: list[int], chunks: list[PlannedChunk]
     ) -> list[FillSpec] | None:
-        """Pins each chunk for the plan; reserves room for those neither stored
-        nor being filled and returns their fills (the caller starts them).
+        """Pins every chunk for the plan; reserves room for those not stored
+        or being filled and returns their fills (the caller starts them).
         None, holding nothing, if the store cannot take one of them.
 
-        Pins are counted per holder: the plan holds one on every chunk until
-        it loads, and a fill holds its reservation's own pin until it ends,
-        so a chunk stays in the store while anyone still needs it.
+        A reserved entry carries two pins: its fill's (dropped when the fill
+        finishes) and the plan's (dropped when the load is built), so the
+        chunk stays stored between the two.
         """
         index = self.index
         pinned: list[bytes] = []
         fills: list[FillSpec] = []
         for chunk in chunks:
-            if index.get(chunk.key) is not None:
-                index.pin(chunk.key)
-                pinned.append(chunk.key)
-            elif index.reserve(chunk.key, chunk.length):  # the fill's pin
-                index.pin(chunk.key)  # the plan's
+            if index.get(chunk.key) is None:
+                if not index.reserve(chunk.key, chunk.length):  # the fill's pin
+                    for key in pinned:
+                        index.unpin(key)
+                    for fill in fills:
+                        index.drop(fill.key)
+                    return None
                 context = prompt[: chunk.virtual_start]
                 tokens = prompt[chunk.start : chunk.start + chunk.length]
                 fills.append(FillSpec(chunk.key, [*context, *tokens], len(context)))
-            else:
-                for key in pinned:
-                    index.unpin(key)
-                for fill in fills:
-                    index.drop(fill.key)
-                return None
+            index.pin(chunk.key)  # the plan's pin
+            pinned.append(chunk.key)
         return fills
 
     def repin(self, request: Request) -> list[FillSpec] | None:

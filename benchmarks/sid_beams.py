@@ -1,0 +1,196 @@
+"""Generative-recommendation beams on FlashRec's terms: widths, concurrency,
+catalog, plain vLLM beside ours in one run.
+
+A RecIF-shaped workload scaled by flags: prompts of ``--prompt-tokens``
+tokens, items of 3 semantic-ID tokens from 3 codebooks of ``--codebook``
+codes (token ids from ``--token-base``), a synthetic catalog of ``--items``
+items. Three modes, each a server of its own:
+
+- ``plain``: vLLM's own beam search (in the API server, one engine request
+  per beam per step), open vocabulary;
+- ``engine``: ``--engine-beam-search``, open vocabulary;
+- ``catalog``: ``--engine-beam-search --sid-catalog``, beams kept in the
+  catalog (``sid_catalog: true``).
+
+Reports, per mode: stage-2 latency (one request alone) against width;
+saturated throughput (requests per second) against concurrency at the
+``--saturation-widths``; and the share of returned beams that are not
+catalog items (illegal SIDs). ``--two-stage`` adds the OpenOneRec flow on
+the catalog server: a retained "thinking" stage, then constrained beams by
+``continuation_of``.
+
+    .venv/bin/python benchmarks/sid_beams.py                          # CPU, tiny
+    python benchmarks/sid_beams.py --model models/small --codebook 8192 \\
+        --prompt-tokens 2500 --items 100000                            # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
+
+MODES = ("plain", "engine", "catalog")
+
+
+def write_catalog(path: Path, args: argparse.Namespace) -> set[tuple[int, ...]]:
+    rng = random.Random(args.seed)
+    items: set[tuple[int, ...]] = set()
+    while len(items) < args.items:
+        items.add(
+            tuple(args.token_base + k * args.codebook + rng.randrange(args.codebook)
+                  for k in range(3))
+        )  # fmt: skip
+    offsets = " ".join(str(args.token_base + k * args.codebook) for k in range(3))
+    header = [
+        "# sid-catalog v1", "# layout: codes",
+        f"# codebooks: {args.codebook} {args.codebook} {args.codebook}",
+        f"# token-offsets: {offsets}",
+    ]  # fmt: skip
+    body = (
+        " ".join(str(t - args.token_base - k * args.codebook) for k, t in enumerate(i))
+        for i in sorted(items)
+    )
+    path.write_text("\n".join([*header, *body]) + "\n")
+    return items
+
+
+def prompt(i: int, args: argparse.Namespace) -> list[int]:
+    rng = random.Random(args.seed * 7919 + i)
+    return [rng.randrange(10, args.token_base) for _ in range(args.prompt_tokens)]
+
+
+async def beam(
+    client: httpx.AsyncClient, mode: str, i: int, width: int, args
+) -> tuple[float, list[tuple[int, ...]]]:
+    body = {
+        "model": SERVED_MODEL, "prompt": prompt(i, args), "max_tokens": 3,
+        "use_beam_search": True, "n": width, "return_token_ids": True,
+    }  # fmt: skip
+    if mode == "catalog":
+        body["sid_catalog"] = True
+    start = time.perf_counter()
+    response = await client.post("/v1/completions", json=body)
+    elapsed = time.perf_counter() - start
+    response.raise_for_status()
+    return elapsed, [tuple(c["token_ids"]) for c in response.json()["choices"]]
+
+
+async def latency(server: Server, mode: str, width: int, args) -> tuple[float, float]:
+    """Median latency of ``args.repeats`` lone requests; the illegal share."""
+    items, illegal, total, times = args.catalog_items, 0, 0, []
+    async with httpx.AsyncClient(base_url=server.url, timeout=3600) as client:
+        await beam(client, mode, 10**6, width, args)  # warm-up
+        for r in range(args.repeats):
+            seconds, beams = await beam(client, mode, r, width, args)
+            times.append(seconds)
+            illegal += sum(b not in items for b in beams)
+            total += len(beams)
+    return statistics.median(times), illegal / max(total, 1)
+
+
+async def throughput(server: Server, mode: str, width: int, concurrency: int, args):
+    """Requests per second with ``concurrency`` clients, each sending
+    ``args.per_client`` requests back to back."""
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=3600,
+        limits=httpx.Limits(max_connections=concurrency + 4),
+    ) as client:  # fmt: skip
+
+        async def worker(c: int) -> None:
+            for r in range(args.per_client):
+                await beam(client, mode, 1000 * c + r, width, args)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in range(concurrency)))
+        return concurrency * args.per_client / (time.perf_counter() - start)
+
+
+def server_args(mode: str, catalog: Path, args) -> list[str]:
+    common = ["--max-logprobs", str(2 * max(args.widths) + 1)]
+    common += ["--max-model-len", str(args.prompt_tokens + 64)]
+    if mode == "plain":
+        return common
+    extra = ["--engine-beam-search"]
+    if mode == "catalog":
+        extra += [
+            "--sid-catalog",
+            str(catalog),
+            "--logprobs-mode",
+            "processed_logprobs",
+        ]
+    return common + extra
+
+
+def run_mode(mode: str, catalog: Path, args) -> dict:
+    log = Path(tempfile.mkdtemp()) / f"{mode}.log"
+    with Server(
+        args.model, *server_args(mode, catalog, args), log_path=log,
+        settings=ServerSettings.from_args(args),
+    ) as server:  # fmt: skip
+        lat = {w: asyncio.run(latency(server, mode, w, args)) for w in args.widths}
+        qps = {
+            (w, c): asyncio.run(throughput(server, mode, w, c, args))
+            for w in args.saturation_widths
+            for c in args.concurrency
+        }
+    print(f"{mode}: server log {log}", flush=True)
+    return {"latency": lat, "qps": qps}
+
+
+def report(results: dict[str, dict], args) -> None:
+    print(f"\nmodel {args.model}, prompt {args.prompt_tokens} tokens, 3 SID tokens, "
+          f"3 codebooks of {args.codebook}, catalog {args.items} items")  # fmt: skip
+    modes = list(results)
+    heads = " | ".join(f"{m} p50" for m in modes)
+    names = ", ".join(modes)
+    print(f"\n| width | {heads} | plain / catalog | illegal SIDs ({names}) |")
+    print("|---:|" + "---:|" * len(modes) + "---:|---|")
+    for w in args.widths:
+        lat = [results[m]["latency"][w] for m in modes]
+        ratio = lat[0][0] / lat[-1][0]
+        cells = " | ".join(f"{s * 1e3:.0f} ms" for s, _ in lat)
+        illegal = ", ".join(f"{share:.0%}" for _, share in lat)
+        print(f"| {w} | {cells} | {ratio:.2f}x | {illegal} |")
+    print("\n| width | concurrency | " + " | ".join(f"{m} req/s" for m in modes)
+          + " | catalog / plain |")  # fmt: skip
+    print("|---:|---:|" + "---:|" * len(modes) + "---:|")
+    for w in args.saturation_widths:
+        for c in args.concurrency:
+            qps = [results[m]["qps"][(w, c)] for m in modes]
+            cells = " | ".join(f"{q:.2f}" for q in qps)
+            print(f"| {w} | {c} | {cells} | {qps[-1] / qps[0]:.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--codebook", type=int, default=1024)
+    parser.add_argument("--token-base", type=int, default=600)
+    parser.add_argument("--items", type=int, default=20000)
+    parser.add_argument("--widths", type=int, nargs="+", default=[8, 32, 128, 512])
+    parser.add_argument("--saturation-widths", type=int, nargs="+", default=[50])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--per-client", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seed", type=int, default=0)
+    ServerSettings.add_arguments(parser)
+    args = parser.parse_args()
+    catalog = Path(tempfile.mkdtemp()) / "catalog.txt"
+    args.catalog_items = write_catalog(catalog, args)
+    results = {m: run_mode(m, catalog, args) for m in args.modes.split(",")}
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()

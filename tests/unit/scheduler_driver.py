@@ -1,0 +1,392 @@
+"""A real scheduler with every feature on, chunk cache included, driven step by
+step without an engine; and the invariants the randomised test checks.
+
+:func:`make_full_scheduler` builds the scheduler class vLLM would pick with
+the plugin's chunk-cache connector in vLLM's KV-connector slot (scheduler
+role only: no worker exists, so a chunk is "stored" when the step that
+completes its fill is built, as the scheduler side decides). The
+:class:`Driver` adds requests, aborts them as a client would, preempts them
+as upstream does, and runs steps with fake model outputs; it records what
+reaches the client and checks the invariants after every action.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tests.conftest import BLOCK_SIZE
+from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
+from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
+from vllm_kvreuse.core.accounting import check_block_accounting
+from vllm_kvreuse.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
+
+MAX_MODEL_LEN = 256
+SAMPLED = 7  # the token every request samples
+EOS = 2  # beam groups' eos_token_id
+LOGPROBS = [-0.1, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6]  # of each row's tokens
+MAX_IDLE_STEPS = 16
+"""Steps in a row that may schedule nothing while requests wait or run: each
+such step releases one held entry per feature (memory pressure), so only a
+pool full of held entries can take more than a few."""
+
+
+def make_full_scheduler(
+    model_config: ModelConfig,
+    num_blocks: int = 24,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 64,
+    async_scheduling: bool = False,
+    **kvreuse: Any,
+) -> Scheduler:
+    """A real scheduler with all four features and the chunk-cache connector;
+    ``kvreuse`` overrides plugin settings (a store of 0.25 of the pool).
+
+    The KV-cache config names one tensor per layer group so the chunk
+    store's capacity (a fraction of the KV cache's bytes) is not zero.
+    """
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig.default_factory(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            async_scheduling=async_scheduling,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CHUNK_CONNECTOR,
+            kv_connector_module_path=CHUNK_CONNECTOR_MODULE,
+            kv_role="kv_both",
+        ),
+        additional_config={
+            ADDITIONAL_CONFIG_KEY: dict(
+                enable_chunk_cache=True,
+                enable_continuation=True,
+                engine_beam_search=True,
+                global_cache_hit_threshold=0.0,
+                chunk_cache_device_fraction=0.25,
+            )
+            | kvreuse
+        },
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # vLLM's CPU platform turns async scheduling off; GPUs have it on by
+    # default, and the scheduler is the same Python on both.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    spec = FullAttentionSpec(
+        BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=model_config.dtype
+    )
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks,
+                layers=["layer"],
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+def completing(scheduler: Scheduler, output: SchedulerOutput) -> set[str]:
+    """Requests whose step ``output`` computes every token they have: they
+    sample one. Read right after ``schedule``, as the model runner knows it
+    (with async scheduling, the previous step's token is not appended yet)."""
+    return {
+        req_id
+        for req_id in output.num_scheduled_tokens
+        if (request := scheduler.requests.get(req_id)) is not None
+        and request.num_computed_tokens >= request.num_tokens
+    }
+
+
+def fake_model_output(
+    output: SchedulerOutput, sampling: set[str], variant: int = 0, eos: bool = False
+) -> ModelRunnerOutput:
+    """What a model run would return: a token (with a log-prob row, for beams)
+    for each request in ``sampling``, none for a partial prefill. ``variant``
+    and ``eos`` change the rows, so beams diverge or end.
+    """
+    req_ids = list(output.num_scheduled_tokens)
+    n = len(req_ids)
+    # The sampled token first, as vLLM's sampler lists it.
+    row = [SAMPLED, SAMPLED, 8 + variant, EOS if eos else 9 + variant, 20, 21, 22]
+    sampled = [[SAMPLED] if req_id in sampling else [] for req_id in req_ids]
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=LogprobsLists(
+            logprob_token_ids=np.array([row] * n, dtype=np.int64).reshape(n, 7),
+            logprobs=np.array([LOGPROBS] * n).reshape(n, 7),
+            sampled_token_ranks=np.ones(n, dtype=np.int64),
+        ),
+    )
+
+
+@dataclass(slots=True)
+class Client:
+    """What one client request has received."""
+
+    request: Request
+    kind: str
+    finals: list[EngineCoreOutput] = field(default_factory=list)
+    aborted: bool = False
+    # Aborted after the engine had finished it (a rejection or failure at an
+    # arrival), its final output not yet delivered: that output still comes
+    # with the next step (the frontend drops it).
+    answer_in_flight: bool = False
+
+    @property
+    def open(self) -> bool:
+        return not self.aborted and not self.finals
+
+
+class Driver:
+    """Drives one scheduler like an engine core and a client would."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        # As the engine core: one batch at a time, two with async scheduling.
+        self.batch_queue_size = scheduler.vllm_config.max_concurrent_batches
+        self._in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
+        self.side: ChunkScheduler = scheduler.connector.scheduler_side
+        self.pool_size = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        self.clients: dict[str, Client] = {}
+        self.num_steps = 0
+        self.idle_steps = 0
+        self.max_idle_steps = 0
+        self.log: list[str] = []  # the actions, for failure messages
+        self.seen: Counter[str] = Counter()  # what happened, for statistics
+
+    # -- a client's and an engine core's actions ---------------------------------
+
+    def add(self, request: Request, kind: str) -> None:
+        self.clients[request.request_id] = Client(request, kind)
+        self.scheduler.add_request(request)
+        self.log.append(f"add {kind} {request.request_id}")
+
+    def abort(self, request_id: str) -> None:
+        """A client abort, as ``EngineCore.abort_requests`` does it."""
+        client = self.clients[request_id]
+        client.aborted = True
+        client.answer_in_flight = any(
+            out.request_id == request_id for _, out in self.scheduler.kvreuse._emitted
+        )
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        self.log.append(f"abort {request_id}")
+
+    def preempt(self, request_id: str) -> None:
+        """Preempts a running request with upstream's own method."""
+        request = self.scheduler.requests[request_id]
+        self.scheduler.running.remove(request)
+        self.scheduler._preempt_request(request, time.monotonic())
+        self.log.append(f"preempt {request_id}")
+
+    def open_clients(self) -> list[str]:
+        return [rid for rid, client in self.clients.items() if client.open]
+
+    def running(self) -> list[str]:
+        return [r.request_id for r in self.scheduler.running]
+
+    def step(
+        self, variant: int = 0, eos: bool = False, abort_during: int | None = None
+    ) -> None:
+        """One engine-core step, as ``EngineCore.step`` (or, with async
+        scheduling, ``step_with_batch_queue``: schedule the next batch while
+        one runs, then wait for the oldest); ``abort_during`` picks an open
+        client to abort while the batch runs (aborts that arrive then are
+        processed just before ``update_from_output``)."""
+        scheduler = self.scheduler
+        if scheduler.has_requests():
+            runnable = bool(
+                scheduler.waiting or scheduler.running or scheduler.kv_holding_waiting
+            )
+            output = scheduler.schedule()
+            self._in_flight.appendleft((output, completing(scheduler, output)))
+            self._scheduled(output, runnable)
+            if len(self._in_flight) < self.batch_queue_size and (
+                output.total_num_scheduled_tokens > 0 or scheduler.has_requests()
+            ):
+                return
+        elif not self._in_flight:
+            return
+        output, sampling = self._in_flight.pop()
+        open_clients = self.open_clients()
+        if abort_during is not None and open_clients:
+            self.abort(open_clients[abort_during % len(open_clients)])
+            self.seen["aborts while a batch runs"] += 1
+        engine_outputs = scheduler.update_from_output(
+            output, fake_model_output(output, sampling, variant, eos)
+        )
+        for outputs in engine_outputs.values():
+            for out in outputs.outputs:
+                self._receive(out)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._in_flight)
+
+    def drain(self, max_steps: int) -> None:
+        """Steps, with no new arrivals, until no request is left."""
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+        raise AssertionError(
+            f"requests left after {max_steps} steps with no arrivals: "
+            f"{_queues(self.scheduler)}"
+        )
+
+    def _scheduled(self, output: SchedulerOutput, runnable: bool) -> None:
+        """Records a schedule and checks liveness."""
+        self.num_steps += 1
+        meta = output.kv_connector_metadata
+        self.seen["chunk loads"] += len(meta.loads)
+        self.seen["chunk saves"] += len(meta.saves)
+        self.seen["chunk demotions"] += sum(op.kind == "demote" for op in meta.ops)
+        self.seen["upstream preemptions"] += len(output.preempted_req_ids)
+        self.seen["copy-on-write forks"] += len(output.kv_cache_block_copies or ())
+        self.seen["two batches in flight"] += len(self._in_flight) > 1
+        self.seen["deferred block frees"] += bool(self.scheduler.deferred_frees)
+        if output.num_scheduled_tokens or not runnable:
+            self.idle_steps = 0
+        else:
+            self.idle_steps += 1
+            self.max_idle_steps = max(self.max_idle_steps, self.idle_steps)
+        self.log.append(f"step {dict(output.num_scheduled_tokens)}")
+        _assert_progress(self)
+
+    def _receive(self, out: EngineCoreOutput) -> None:
+        client = self.clients.get(out.request_id)
+        assert client is not None, (
+            f"output of {out.request_id!r} reached the client, which never sent "
+            "it (an internal request leaked out of the hook layer)"
+        )
+        assert not client.finals, f"{out.request_id}: an output after its final one"
+        assert not client.aborted or client.answer_in_flight, (
+            f"{out.request_id}: an output after its abort"
+        )
+        if out.finish_reason is None:
+            return
+        client.finals.append(out)
+        self.seen[f"{client.kind} {out.finish_reason.name} {out.stop_reason}"] += 1
+
+    # -- invariants --------------------------------------------------------------
+
+    def check(self) -> None:
+        """Invariants that hold between any two actions."""
+        check_block_accounting(self.scheduler)
+        _assert_chunk_index_consistent(self.side)
+        _assert_waiting_chunks_pinned(self)
+
+    def check_drained(self) -> None:
+        """After a drain and a cache reset: nothing held, nothing owed."""
+        scheduler = self.scheduler
+        owed = [
+            rid
+            for rid, client in self.clients.items()
+            if client.open or (client.answer_in_flight and not client.finals)
+        ]
+        assert not owed, f"client requests never answered: {owed}"
+        assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
+        ledger = scheduler.kvreuse.ledger
+        assert not len(ledger), (
+            f"held after reset: {[e.request_id for e in ledger.entries()]}"
+        )
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert free == self.pool_size - 1, (
+            f"{self.pool_size - 1 - free} KV blocks still referenced after drain"
+        )
+        pinned = {
+            k.hex()[:8]: e.pins for k, e in self.side.index.entries.items() if e.pins
+        }
+        assert not pinned, f"chunks still pinned after drain: {pinned}"
+        assert not self.side.plans and not self.side.fills, (
+            f"chunk plans {list(self.side.plans)} / fills {list(self.side.fills)} left"
+        )
+        internal = list(scheduler.kvreuse.internal.owners)
+        assert not internal, f"internal requests never retired: {internal}"
+        beam = scheduler.feature("beam")
+        assert not beam._groups and not beam._member_group, "beam groups left"
+
+
+def _queues(scheduler: Scheduler) -> dict[str, Any]:
+    return {
+        "waiting": [r.request_id for r in scheduler.waiting],
+        "running": [r.request_id for r in scheduler.running],
+        "kv_holding_waiting": [r.request_id for r in scheduler.kv_holding_waiting],
+        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        "held": [e.request_id for e in scheduler.kvreuse.ledger.entries()],
+    }
+
+
+def _assert_progress(driver: Driver) -> None:
+    assert driver.idle_steps <= MAX_IDLE_STEPS, (
+        f"no token scheduled for {driver.idle_steps} steps while requests could "
+        f"run: {_queues(driver.scheduler)}; last actions: {driver.log[-8:]}"
+    )
+
+
+def _assert_chunk_index_consistent(side: ChunkScheduler) -> None:
+    index = side.index
+    for tier in ("device", "cpu"):
+        used = sum(e.nbytes for e in index.entries.values() if e.tier == tier)
+        assert index.used[tier] == used, (
+            f"{tier} tier: used {index.used[tier]} != {used}"
+        )
+        assert used <= index.capacity[tier], f"{tier} tier over capacity"
+    num_pinned = sum(1 for e in index.entries.values() if e.pins)
+    assert index.num_pinned == num_pinned, (
+        f"num_pinned {index.num_pinned}, but {num_pinned} entries have pins"
+    )
+
+
+def _assert_waiting_chunks_pinned(driver: Driver) -> None:
+    """Every chunk a pinned plan will load is in the store and pinned, so no
+    eviction can leave its request waiting for a chunk nobody fills."""
+    side = driver.side
+    replan = driver.scheduler.feature("chunk_cache")._replan
+    for request_id, plan in side.plans.items():
+        if not plan.pinned or request_id in replan:
+            continue
+        for chunk in plan.chunks:
+            entry = side.index.get(chunk.key)
+            assert entry is not None and entry.pins > 0, (
+                f"{request_id} waits to load chunk {chunk.key.hex()[:8]}, which is "
+                f"{'unpinned' if entry else 'not stored'}"
+            )

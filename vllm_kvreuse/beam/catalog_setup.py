@@ -1,0 +1,69 @@
+"""Where the SID catalog is loaded, once per process and device.
+
+Both sides need it: the scheduler (to move each beam down the trie) and the
+workers' logits processor (to mask each beam's row). Each loads the file
+named by ``--sid-catalog`` at start-up; a process that is both (an offline
+engine, the CPU build's in-process worker) loads it once per device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_kvreuse.beam.catalog import SidCatalog
+from vllm_kvreuse.beam.catalog_file import load_catalog
+from vllm_kvreuse.beam.policy import LEAF_EOS_KEY, NODE_KEY
+
+__all__ = ["LEAF_EOS_KEY", "NODE_KEY", "PROCESSOR", "engine_catalog"]
+from vllm_kvreuse.config import KVReuseConfig
+
+PROCESSOR = "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessor"
+
+
+def engine_catalog(vllm_config: Any, device: torch.device | str) -> SidCatalog | None:
+    """The catalog of ``--sid-catalog`` on ``device``; None when unset."""
+    path = KVReuseConfig.from_vllm_config(vllm_config).sid_catalog
+    if not path:
+        return None
+    model_config = vllm_config.model_config
+    key = (path, str(model_config.model), str(device))
+    if key not in _loaded:
+        _loaded[key] = _load(path, model_config, device)
+    return _loaded[key]
+
+
+_loaded: dict[tuple[str, str, str], SidCatalog] = {}
+
+
+def _load(path: str, model_config: Any, device: torch.device | str) -> SidCatalog:
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    tokenizer = cached_tokenizer_from_config(model_config)
+    return load_catalog(
+        path,
+        model_config.get_vocab_size(),
+        vocab=tokenizer.get_vocab() if tokenizer is not None else None,
+        eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
+        device=device,
+    )
+
+
+def attach_catalog_processor(engine_args: Any) -> None:
+    """With ``--sid-catalog``, adds the catalog's logits processor and checks
+    that vLLM returns processed log-probs (what the processor shapes)."""
+    config = KVReuseConfig.from_vllm_config(engine_args)
+    if not config.sid_catalog:
+        return
+    if not config.engine_beam_search:
+        raise ValueError("--sid-catalog needs --engine-beam-search")
+    if engine_args.logprobs_mode != "processed_logprobs":
+        raise ValueError(
+            "--sid-catalog needs --logprobs-mode processed_logprobs: catalog "
+            "beams read each beam's log-probs after the catalog mask (the "
+            "mask keeps every log-prob exact; see docs/sid_catalog.md)"
+        )
+    processors = list(engine_args.logits_processors or [])
+    if PROCESSOR not in processors:
+        engine_args.logits_processors = [*processors, PROCESSOR]
