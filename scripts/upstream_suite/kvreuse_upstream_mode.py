@@ -60,34 +60,35 @@ def _kvreuse_modules() -> list[str]:
     )
 
 
-def _registry() -> Any:
-    """The plugin's patch registry, read from the checkout (not the stub).
+MARKER = "__kvreuse_patch__"
+"""``vllm_kvreuse.patches.registry.MARKER``: what a patched function carries."""
 
-    ``patches.py`` imports only the standard library at module level, and
-    importing it applies nothing.
-    """
-    import importlib.util
 
-    path = Path(os.environ["KVREUSE_UPSTREAM_PLUGIN_DIR"]) / "patches.py"
-    spec = importlib.util.spec_from_file_location("_kvreuse_registry", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def _targets() -> list[str]:
+    """The patch registry's targets, listed by the runner from the checkout
+    (in ``off`` mode the plugin package itself is the stub)."""
+    return json.loads(Path(os.environ["KVREUSE_UPSTREAM_TARGETS"]).read_text())
+
+
+def _owner_and_attr(target: str) -> tuple[Any, str]:
+    import importlib
+
+    module_name, qualname = target.split(":")
+    *path, attr = qualname.split(".")
+    owner: Any = importlib.import_module(module_name)
+    for name in path:
+        owner = getattr(owner, name)
+    return owner, attr
 
 
 def _patch_state() -> tuple[list[str], list[str]]:
     """(applied, missing) patch targets of the plugin's registry."""
-    registry = _registry()
-    MARKER, PATCHES = registry.MARKER, registry.PATCHES
-
     applied, missing = [], []
-    for patch in PATCHES:
-        owner, attr = patch.owner_and_attr()
+    for target in _targets():
+        owner, attr = _owner_and_attr(target)
         current = inspect.getattr_static(owner, attr, None)
         raw = getattr(current, "__func__", current)
-        (applied if getattr(raw, MARKER, None) else missing).append(patch.target)
+        (applied if getattr(raw, MARKER, None) else missing).append(target)
     return applied, missing
 
 

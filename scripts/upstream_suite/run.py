@@ -200,6 +200,23 @@ class Run:
         return counts
 
 
+def patch_targets(results: Path) -> Path:
+    """The registry's targets as JSON, listed by a process that imports this
+    checkout's plugin (the ``off`` mode's test process sees only the stub)."""
+    path = results / "patch_targets.json"
+    code = (
+        "import json; from vllm_kvreuse.patches import PATCHES; "
+        "print(json.dumps([p.target for p in PATCHES]))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, check=True, capture_output=True,
+        text=True,
+    ).stdout  # fmt: skip
+    path.write_text(out.strip().splitlines()[-1])
+    return path
+
+
 def run_mode(
     mode: str, root: Path, results: Path, env_base: dict, args: argparse.Namespace
 ) -> Run:
@@ -210,7 +227,7 @@ def run_mode(
         path.unlink(missing_ok=True)
     env = dict(env_base, KVREUSE_UPSTREAM_MODE=mode)
     env["KVREUSE_UPSTREAM_REPORT"] = str(report)
-    env["KVREUSE_UPSTREAM_PLUGIN_DIR"] = str(REPO / "vllm_kvreuse")
+    env["KVREUSE_UPSTREAM_TARGETS"] = str(patch_targets(results))
     plugin = plugin_stub(args.cache) if mode == "off" else plugin_link(args.cache)
     env["PYTHONPATH"] = os.pathsep.join([str(plugin), env_base["PYTHONPATH"]])
     cmd = [
