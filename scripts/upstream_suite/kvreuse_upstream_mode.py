@@ -88,7 +88,10 @@ def _patch_state() -> tuple[list[str], list[str]]:
         owner, attr = _owner_and_attr(target)
         current = inspect.getattr_static(owner, attr, None)
         raw = getattr(current, "__func__", current)
-        (applied if getattr(raw, MARKER, None) else missing).append(target)
+        # features-on wraps VllmConfig.__post_init__ again: look underneath.
+        while raw is not None and not getattr(raw, MARKER, None):
+            raw = getattr(raw, "__wrapped__", None)
+        (applied if raw is not None else missing).append(target)
     return applied, missing
 
 
