@@ -9,7 +9,11 @@ prompts, with varying questions, sent by several concurrent clients.
 Phases, each timed to the first token (max_tokens 1, non-streaming):
 - cold: every document is new to both servers;
 - warm: every document was seen before, in other orders/positions;
-- mixed: half the documents seen, half new.
+- mixed: half the documents seen, half new;
+- prefix hit (reference): the warm phase's prompts sent again, unchanged,
+  to plain vLLM: a full prefix-cache hit, where only the last partial block
+  is computed. It is the reuse limit the chunk cache's warm TTFT is
+  compared with (``warm / prefix hit``).
 
 Prints TTFT median and p99 per phase and server, the ratio plain / chunk
 cache, and for the chunk server two rates that answer different questions:
@@ -177,6 +181,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         cold_prefill_ms_per_1k = 0.0
+        warm_chunk_p50 = 0.0
         for name, segment_lists in phases.items():
             plain_results = run_phase(
                 plain.url, ["".join(s) for s in segment_lists], args.concurrency
@@ -195,6 +200,8 @@ def main() -> None:
                 cold_prefill_ms_per_1k = statistics.median(
                     r[0] * 1e3 / r[1] * 1024 for r in plain_results
                 )
+            if name == "warm":
+                warm_chunk_p50 = statistics.median(c_times)
             print(
                 f"| {name} | {statistics.median(p_times) * 1e3:.0f} ms "
                 f"| {percentile(p_times, 0.99) * 1e3:.0f} ms "
@@ -203,6 +210,19 @@ def main() -> None:
                 f"| {statistics.median(p_times) / statistics.median(c_times):.2f}x "
                 f"| {chunk_hit_rate:.2f} | {cached:.2f} |"
             )
+        # The reuse limit: the warm prompts again, as one text, on plain vLLM.
+        repeat = run_phase(
+            plain.url, ["".join(s) for s in phases["warm"]], args.concurrency
+        )
+        hit_times = [r[0] for r in repeat]
+        hit_share = sum(r[2] for r in repeat) / sum(r[1] for r in repeat)
+        print(
+            f"\nfull prefix hit (plain, warm prompts again): TTFT p50 "
+            f"{statistics.median(hit_times) * 1e3:.0f} ms, p99 "
+            f"{percentile(hit_times, 0.99) * 1e3:.0f} ms, cached share "
+            f"{hit_share:.2f}; chunk warm / prefix hit: "
+            f"{warm_chunk_p50 / statistics.median(hit_times):.2f}x"
+        )
     rerotate = rerotate_copy_ms_per_1k(args.model)
     print(
         f"re-rotation + copy: {rerotate:.1f} ms per 1K tokens (all layers); "
