@@ -15,9 +15,12 @@ items. Three modes, each a server of its own:
 Reports, per mode: stage-2 latency (one request alone) against width;
 saturated throughput (requests per second) against concurrency at the
 ``--saturation-widths``; and the share of returned beams that are not
-catalog items (illegal SIDs). ``--two-stage`` adds the OpenOneRec flow on
-the catalog server: a retained "thinking" stage, then constrained beams by
-``continuation_of``.
+catalog items (illegal SIDs). ``--two-stage`` adds the OpenOneRec flow,
+which none of the anchors has: a "thinking" stage of ``--thinking-tokens``
+tokens, then the item's beams. Plain vLLM sends stage 2 as prompt +
+thinking + suffix token ids (its prefix cache finds the prompt); ours
+retains stage 1's KV (``retain_kv``) and continues it (``continuation_of``)
+with catalog-constrained beams in the engine.
 
     .venv/bin/python benchmarks/sid_beams.py                          # CPU, tiny
     python benchmarks/sid_beams.py --model models/small --codebook 8192 \\
@@ -114,13 +117,83 @@ async def throughput(server: Server, mode: str, width: int, concurrency: int, ar
         return concurrency * args.per_client / (time.perf_counter() - start)
 
 
+SUFFIX = 7  # the token after the thinking, before the item (say, <|sid_begin|>)
+
+
+async def two_stage(
+    client: httpx.AsyncClient, mode: str, i: int, width: int, args
+) -> tuple[float, float, list[tuple[int, ...]]]:
+    """(whole call, stage 2 alone, beams) of one think-then-recommend call."""
+    first = {
+        "model": SERVED_MODEL, "prompt": prompt(i, args), "ignore_eos": True,
+        "max_tokens": args.thinking_tokens, "return_token_ids": True,
+    }  # fmt: skip
+    if mode == "catalog":
+        first["retain_kv"] = True
+    start = time.perf_counter()
+    response = await client.post("/v1/completions", json=first)
+    response.raise_for_status()
+    parent = response.json()
+    second = {
+        "model": SERVED_MODEL, "max_tokens": 3, "use_beam_search": True,
+        "n": width, "return_token_ids": True,
+    }  # fmt: skip
+    if mode == "catalog":
+        second |= {
+            "prompt": [], "continuation_of": parent["id"], "sid_catalog": True,
+            "continuation_suffix_token_ids": [SUFFIX],
+        }  # fmt: skip
+    else:
+        thought = parent["choices"][0]["token_ids"]
+        second["prompt"] = [*first["prompt"], *thought, SUFFIX]
+    middle = time.perf_counter()
+    response = await client.post("/v1/completions", json=second)
+    end = time.perf_counter()
+    response.raise_for_status()
+    beams = [tuple(c["token_ids"]) for c in response.json()["choices"]]
+    return end - start, end - middle, beams
+
+
+async def two_stage_runs(server: Server, mode: str, width: int, args) -> dict:
+    """Lone calls (median whole and stage-2 latency, illegal share) and
+    requests per second at each ``args.concurrency``."""
+    items, illegal, total, whole, stage2 = args.catalog_items, 0, 0, [], []
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=3600,
+        limits=httpx.Limits(max_connections=max(args.concurrency) + 4),
+    ) as client:  # fmt: skip
+        await two_stage(client, mode, 2 * 10**6, width, args)  # warm-up
+        for r in range(args.repeats):
+            seconds, second, beams = await two_stage(client, mode, r, width, args)
+            whole.append(seconds)
+            stage2.append(second)
+            illegal += sum(b not in items for b in beams)
+            total += len(beams)
+        qps = {}
+        for c in args.concurrency:
+
+            async def worker(w: int) -> None:
+                for r in range(args.per_client):
+                    await two_stage(client, mode, 3 * 10**6 + 1000 * w + r, width, args)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker(w) for w in range(c)))
+            qps[c] = c * args.per_client / (time.perf_counter() - start)
+    return {
+        "whole": statistics.median(whole), "stage2": statistics.median(stage2),
+        "illegal": illegal / max(total, 1), "qps": qps,
+    }  # fmt: skip
+
+
 def server_args(mode: str, catalog: Path, args) -> list[str]:
     common = ["--max-logprobs", str(2 * max(args.widths) + 1)]
-    common += ["--max-model-len", str(args.prompt_tokens + 64)]
+    length = args.prompt_tokens + 64 + (args.thinking_tokens if args.two_stage else 0)
+    common += ["--max-model-len", str(length)]
     if mode == "plain":
         return common
     extra = ["--engine-beam-search"]
     if mode == "catalog":
+        extra += ["--enable-continuation"] if args.two_stage else []
         extra += [
             "--sid-catalog",
             str(catalog),
@@ -142,8 +215,14 @@ def run_mode(mode: str, catalog: Path, args) -> dict:
             for w in args.saturation_widths
             for c in args.concurrency
         }
+        chains = {}
+        if args.two_stage and mode in ("plain", "catalog"):
+            chains = {
+                w: asyncio.run(two_stage_runs(server, mode, w, args))
+                for w in args.saturation_widths
+            }
     print(f"{mode}: server log {log}", flush=True)
-    return {"latency": lat, "qps": qps}
+    return {"latency": lat, "qps": qps, "two_stage": chains}
 
 
 def report(results: dict[str, dict], args) -> None:
@@ -168,6 +247,34 @@ def report(results: dict[str, dict], args) -> None:
             qps = [results[m]["qps"][(w, c)] for m in modes]
             cells = " | ".join(f"{q:.2f}" for q in qps)
             print(f"| {w} | {c} | {cells} | {qps[-1] / qps[0]:.2f}x |")
+    if args.two_stage and {"plain", "catalog"} <= set(results):
+        report_two_stage(
+            results["plain"]["two_stage"], results["catalog"]["two_stage"], args
+        )
+
+
+def report_two_stage(plain: dict, ours: dict, args) -> None:
+    print(
+        f"\ntwo-stage: {args.thinking_tokens} thinking tokens, then 3 SID tokens; "
+        "plain = token ids + frontend beams, ours = continuation + catalog beams"
+    )
+    print(
+        "\n| width | plain call p50 | ours call p50 | plain stage 2 p50 "
+        "| ours stage 2 p50 | stage 2 plain / ours | illegal SIDs (plain, ours) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for w in args.saturation_widths:
+        a, b = plain[w], ours[w]
+        print(f"| {w} | {a['whole'] * 1e3:.0f} ms | {b['whole'] * 1e3:.0f} ms "
+              f"| {a['stage2'] * 1e3:.0f} ms | {b['stage2'] * 1e3:.0f} ms "
+              f"| {a['stage2'] / b['stage2']:.2f}x "
+              f"| {a['illegal']:.0%}, {b['illegal']:.0%} |")  # fmt: skip
+    print("\n| width | concurrency | plain calls/s | ours calls/s | ours / plain |")
+    print("|---:|---:|---:|---:|---:|")
+    for w in args.saturation_widths:
+        for c in args.concurrency:
+            a, b = plain[w]["qps"][c], ours[w]["qps"][c]
+            print(f"| {w} | {c} | {a:.2f} | {b:.2f} | {b / a:.2f}x |")
 
 
 def main() -> None:
@@ -184,6 +291,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--two-stage", action="store_true")
+    parser.add_argument("--thinking-tokens", type=int, default=64)
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
     catalog = Path(tempfile.mkdtemp()) / "catalog.txt"
