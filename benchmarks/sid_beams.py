@@ -293,12 +293,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--two-stage", action="store_true")
     parser.add_argument("--thinking-tokens", type=int, default=64)
+    parser.add_argument("--plot", type=Path, help="write latency vs width (SVG)")
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
     catalog = Path(tempfile.mkdtemp()) / "catalog.txt"
     args.catalog_items = write_catalog(catalog, args)
     results = {m: run_mode(m, catalog, args) for m in args.modes.split(",")}
     report(results, args)
+    if args.plot:
+        from svg_plot import line_chart  # benchmarks/ is on sys.path when run
+
+        line_chart(
+            {m: [(w, r["latency"][w][0] * 1e3) for w in args.widths]
+             for m, r in results.items()},
+            args.plot,
+            f"Stage-2 beam search latency ({Path(args.model).name})",
+            "beam width", "latency of one request alone, ms (p50)",
+        )  # fmt: skip
+        print(f"plot written to {args.plot}")
 
 
 if __name__ == "__main__":
