@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
 import tempfile
@@ -66,6 +67,14 @@ def write_catalog(path: Path, args: argparse.Namespace) -> set[tuple[int, ...]]:
     return items
 
 
+def fresh(args: argparse.Namespace) -> int:
+    """The next prompt's number. Every call gets a prompt of its own, so no
+    call finds another's prefix cached and every call pays its prefill (as
+    RecIF's distinct users do); the sequence restarts for each server, so
+    every mode gets the same prompts."""
+    return next(args.prompt_numbers)
+
+
 def prompt(i: int, args: argparse.Namespace) -> list[int]:
     rng = random.Random(args.seed * 7919 + i)
     return [rng.randrange(10, args.token_base) for _ in range(args.prompt_tokens)]
@@ -91,9 +100,9 @@ async def latency(server: Server, mode: str, width: int, args) -> tuple[float, f
     """Median latency of ``args.repeats`` lone requests; the illegal share."""
     items, illegal, total, times = args.catalog_items, 0, 0, []
     async with httpx.AsyncClient(base_url=server.url, timeout=3600) as client:
-        await beam(client, mode, 10**6, width, args)  # warm-up
-        for r in range(args.repeats):
-            seconds, beams = await beam(client, mode, r, width, args)
+        await beam(client, mode, fresh(args), width, args)  # warm-up
+        for _ in range(args.repeats):
+            seconds, beams = await beam(client, mode, fresh(args), width, args)
             times.append(seconds)
             illegal += sum(b not in items for b in beams)
             total += len(beams)
@@ -108,12 +117,12 @@ async def throughput(server: Server, mode: str, width: int, concurrency: int, ar
         limits=httpx.Limits(max_connections=concurrency + 4),
     ) as client:  # fmt: skip
 
-        async def worker(c: int) -> None:
-            for r in range(args.per_client):
-                await beam(client, mode, 1000 * c + r, width, args)
+        async def worker() -> None:
+            for _ in range(args.per_client):
+                await beam(client, mode, fresh(args), width, args)
 
         start = time.perf_counter()
-        await asyncio.gather(*(worker(c) for c in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         return concurrency * args.per_client / (time.perf_counter() - start)
 
 
@@ -162,9 +171,11 @@ async def two_stage_runs(server: Server, mode: str, width: int, args) -> dict:
         base_url=server.url, timeout=3600,
         limits=httpx.Limits(max_connections=max(args.concurrency) + 4),
     ) as client:  # fmt: skip
-        await two_stage(client, mode, 2 * 10**6, width, args)  # warm-up
-        for r in range(args.repeats):
-            seconds, second, beams = await two_stage(client, mode, r, width, args)
+        await two_stage(client, mode, fresh(args), width, args)  # warm-up
+        for _ in range(args.repeats):
+            seconds, second, beams = await two_stage(
+                client, mode, fresh(args), width, args
+            )
             whole.append(seconds)
             stage2.append(second)
             illegal += sum(b not in items for b in beams)
@@ -172,12 +183,12 @@ async def two_stage_runs(server: Server, mode: str, width: int, args) -> dict:
         qps = {}
         for c in args.concurrency:
 
-            async def worker(w: int) -> None:
-                for r in range(args.per_client):
-                    await two_stage(client, mode, 3 * 10**6 + 1000 * w + r, width, args)
+            async def worker() -> None:
+                for _ in range(args.per_client):
+                    await two_stage(client, mode, fresh(args), width, args)
 
             start = time.perf_counter()
-            await asyncio.gather(*(worker(w) for w in range(c)))
+            await asyncio.gather(*(worker() for _ in range(c)))
             qps[c] = c * args.per_client / (time.perf_counter() - start)
     return {
         "whole": statistics.median(whole), "stage2": statistics.median(stage2),
@@ -204,6 +215,7 @@ def server_args(mode: str, catalog: Path, args) -> list[str]:
 
 
 def run_mode(mode: str, catalog: Path, args) -> dict:
+    args.prompt_numbers = itertools.count()
     log = Path(tempfile.mkdtemp()) / f"{mode}.log"
     with Server(
         args.model, *server_args(mode, catalog, args), log_path=log,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-WIDTH, HEIGHT = 640, 400
-LEFT, RIGHT, TOP, BOTTOM = 70, 170, 40, 50
+WIDTH, HEIGHT = 760, 400
+LEFT, RIGHT, TOP, BOTTOM = 70, 230, 40, 50
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 

@@ -1,4 +1,4 @@
-"""Frontend wrappers shared by several features (registered in patches.py).
+"""Frontend wrappers shared by several features (registered in patches/serving.py).
 
 Each upstream function is wrapped once; the wrapper hands the call to every
 feature that needs it, in a fixed order. Runs in the API-server process or
