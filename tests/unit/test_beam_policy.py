@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
@@ -60,3 +62,48 @@ def test_final_ranking_uses_the_length_penalised_score() -> None:
     )
     assert best([short], [long], config(width=1, length_penalty=1.0)) == [long]
     assert best([short], [long], config(width=1, length_penalty=0.0)) == [short]
+
+
+def loop_expand(beams: list[Beam], rows: list[dict[int, float]], cfg: BeamConfig):
+    """The rule one candidate at a time, as the front end writes it: the
+    reference the vectorised ``expand`` must match, ties included."""
+    completed, candidates = [], []
+    for b, row in zip(beams, rows, strict=True):
+        for token, logprob in row.items():
+            cum = b.seq.cum_logprob + logprob
+            if token == cfg.eos_token_id and not cfg.ignore_eos:
+                completed.append((b.request_id, cum))
+            else:
+                candidates.append((cum, token, b.request_id))
+    scores = np.array([c[0] for c in candidates], dtype=np.float64)
+    if len(candidates) <= cfg.width:
+        order = np.argsort(-scores)
+    else:
+        order = np.argpartition(-scores, cfg.width - 1)[: cfg.width]
+        order = order[np.argsort(-scores[order])]
+    return completed, [
+        (candidates[i][1], candidates[i][2], candidates[i][0]) for i in order
+    ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_step_selects_what_the_per_candidate_loop_selects(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([1, 3, 8, 32]))
+    beams = [
+        beam([1, 2 + i], float(rng.choice([0.0, -1.0])), f"b{i}") for i in range(width)
+    ]
+    rows = []
+    for _ in beams:
+        k = int(rng.integers(0, 2 * width + 2))
+        # Few distinct values and a small vocabulary: many ties, EOS often.
+        tokens = rng.integers(0, 12, size=k).tolist()
+        values = rng.choice([-0.5, -1.0, -1.5], size=k).tolist()
+        rows.append(logprob_row(tokens, values, width))
+    cfg = config(width=width, ignore_eos=bool(seed % 3 == 0))
+    completed, selected = loop_expand(beams, [dict(r.items()) for r in rows], cfg)
+    step = expand(beams, rows, cfg)
+    assert [(s.stop_reason, s.cum_logprob) for s in step.completed] == [
+        (EOS, cum) for _, cum in completed
+    ]
+    assert [(s.tokens[-1], p, s.cum_logprob) for s, p in step.beams] == selected

@@ -15,14 +15,15 @@ A beam with no legal candidate ends: at a leaf it completes as it is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, Step, expand
+from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row, Step, expand
 
 
 @dataclass(slots=True)
@@ -36,35 +37,37 @@ class CatalogStep:
 def legal_rows(
     catalog: SidCatalog,
     beams: Sequence[Beam],
-    rows: Sequence[dict[int, float]],
+    rows: Sequence[Row | Mapping[int, float]],
     config: BeamConfig,
-) -> list[dict[int, float]]:
+) -> list[Row]:
     """Each beam's legal candidates, best ``2 * width`` first (ties: lower id)."""
-    owners = [i for i, row in enumerate(rows) for _ in row]
-    if not owners:
-        return [{} for _ in rows]
-    tokens = torch.tensor([t for row in rows for t in row], dtype=torch.long)
-    values = [v for row in rows for v in row.values()]
-    nodes = torch.tensor([beams[i].node for i in owners], dtype=torch.long)
-    legal = catalog.child(nodes.to(catalog.device), tokens.to(catalog.device)) >= 0
-    legal = legal.cpu()
+    arrays = [row if isinstance(row, Row) else Row.of(row) for row in rows]
+    counts = [len(row) for row in arrays]
+    if not sum(counts):
+        return [Row.of({}) for _ in arrays]
+    tokens = np.concatenate([row.tokens for row in arrays])
+    values = np.concatenate([row.logprobs for row in arrays])
+    owner = torch.from_numpy(np.repeat(np.arange(len(arrays)), counts))
+    nodes = torch.tensor([beam.node for beam in beams], dtype=torch.long)[owner]
+    nodes, token_ids = nodes.to(catalog.device), torch.from_numpy(tokens)
+    legal = (catalog.child(nodes, token_ids.to(catalog.device)) >= 0).cpu()
     if config.eos_token_id is not None and not config.ignore_eos:
-        leaf = catalog.is_leaf(nodes.to(catalog.device)).cpu()
-        legal |= leaf & (tokens == config.eos_token_id)
-    kept: list[list[tuple[float, int]]] = [[] for _ in rows]
-    for owner, token, value, ok in zip(
-        owners, tokens.tolist(), values, legal.tolist(), strict=True
-    ):
-        if ok and value > float("-inf"):
-            kept[owner].append((-value, token))
-    limit = 2 * config.width
-    return [{t: -v for v, t in sorted(row)[:limit]} for row in kept]
+        leaf = catalog.is_leaf(nodes).cpu()
+        legal |= leaf & (token_ids == config.eos_token_id)
+    ok = legal.numpy() & (values > -np.inf)
+    limit, start, kept = 2 * config.width, 0, []
+    for count in counts:
+        keep = start + np.flatnonzero(ok[start : start + count])
+        start += count
+        order = np.lexsort((tokens[keep], -values[keep]))[:limit]
+        kept.append(Row(tokens[keep][order], values[keep][order]))
+    return kept
 
 
 def catalog_step(
     catalog: SidCatalog,
     beams: Sequence[Beam],
-    rows: Sequence[dict[int, float]],
+    rows: Sequence[Row | Mapping[int, float]],
     config: BeamConfig,
 ) -> CatalogStep:
     """The next beams of a catalog group from each beam's log-prob row."""
@@ -73,7 +76,7 @@ def catalog_step(
         torch.tensor([beam.node for beam in beams], dtype=torch.long).to(catalog.device)
     ).tolist()
     completed: list[BeamSearchSequence] = []
-    live: list[tuple[Beam, dict[int, float]]] = []
+    live: list[tuple[Beam, Row]] = []
     for beam, row, leaf in zip(beams, offered, at_leaf, strict=True):
         if row:
             live.append((beam, row))

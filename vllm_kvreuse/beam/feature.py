@@ -43,7 +43,14 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.beam.catalog_beams import catalog_step
 from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY, engine_catalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
+from vllm_kvreuse.beam.policy import (
+    Beam,
+    BeamConfig,
+    Row,
+    best,
+    expand,
+    logprob_row,
+)
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.request_args import PARENT
 
@@ -65,7 +72,7 @@ class BeamGroup:
     root: Request
     config: BeamConfig
     beams: list[Beam]
-    results: dict[str, dict[int, float]] = field(default_factory=dict)
+    results: dict[str, Row] = field(default_factory=dict)
     completed: list[Any] = field(default_factory=list)
     previous: list[str] = field(default_factory=list)
     step: int = 0
@@ -250,9 +257,7 @@ class EngineBeamSearch(Feature):
             group.num_member_computed_tokens += out.prefill_stats.num_computed_tokens
         logprobs = out.new_logprobs
         group.results[out.request_id] = logprob_row(
-            logprobs.logprob_token_ids[0].tolist(),
-            logprobs.logprobs[0].tolist(),
-            group.config.width,
+            logprobs.logprob_token_ids[0], logprobs.logprobs[0], group.config.width
         )
         if len(group.results) == len(group.beams):
             self._ready[group.root.request_id] = group

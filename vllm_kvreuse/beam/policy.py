@@ -13,7 +13,7 @@ vLLM's own length-penalised score (``create_sort_beams_key_function``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -113,52 +113,94 @@ class Step:
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One beam's candidates: tokens and their log-probs in offer order, each
+    token once. Arrays, so that a step over ``width`` beams of ``2 * width``
+    candidates each runs in numpy, not in a Python loop per candidate."""
+
+    tokens: np.ndarray  # int64 [k]
+    logprobs: np.ndarray  # float64 [k]
+
+    @classmethod
+    def of(cls, pairs: Mapping[int, float]) -> Row:
+        """A row from ``{token: logprob}``, in the mapping's order."""
+        n = len(pairs)
+        return cls(
+            np.fromiter(pairs.keys(), dtype=np.int64, count=n),
+            np.fromiter(pairs.values(), dtype=np.float64, count=n),
+        )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def items(self) -> list[tuple[int, float]]:
+        return list(zip(self.tokens.tolist(), self.logprobs.tolist(), strict=True))
+
+
 def logprob_row(
-    token_ids: Sequence[int], logprobs: Sequence[float], width: int
-) -> dict[int, float]:
-    """The (token, logprob) pairs the front end sees for one position."""
-    row: dict[int, float] = {}
+    token_ids: Sequence[int] | np.ndarray,
+    logprobs: Sequence[float] | np.ndarray,
+    width: int,
+) -> Row:
+    """The (token, logprob) pairs the front end sees for one position: the
+    first ``2 * width + 1``, a repeated token (the sampled one, which the
+    sampler puts first and which recurs in the top-k) kept at its first place."""
     n = 2 * width + 1
-    for token, logprob in zip(token_ids[:n], logprobs[:n], strict=True):
-        row.setdefault(int(token), float(logprob))
-    return row
+    tokens = np.asarray(token_ids[:n], dtype=np.int64)
+    values = np.asarray(logprobs[:n], dtype=np.float64)
+    _, first = np.unique(tokens, return_index=True)
+    if len(first) < len(tokens):
+        keep = np.sort(first)
+        tokens, values = tokens[keep], values[keep]
+    return Row(tokens, values)
 
 
 def expand(
-    beams: Sequence[Beam], rows: Sequence[dict[int, float]], config: BeamConfig
+    beams: Sequence[Beam], rows: Sequence[Row | Mapping[int, float]], config: BeamConfig
 ) -> Step:
-    """One beam-search step from each live beam's log-prob row."""
+    """One beam-search step from each live beam's log-prob row.
+
+    Candidates are laid out beam by beam in row order, as the front end lists
+    them, so the same numpy calls on the same score array break ties alike.
+    """
     step = Step()
-    candidates: list[tuple[float, int, Beam]] = []
-    for beam, row in zip(beams, rows, strict=True):
-        for token, logprob in row.items():
-            cum_logprob = beam.seq.cum_logprob + logprob
-            if token == config.eos_token_id and not config.ignore_eos:
-                tokens = (
-                    [*beam.seq.tokens, token]
-                    if config.include_stop_str_in_output
-                    else beam.seq.tokens
-                )
-                done = BeamSearchSequence(
-                    orig_prompt=beam.seq.orig_prompt, tokens=tokens, logprobs=[],
-                    cum_logprob=cum_logprob, finish_reason="stop", stop_reason=token,
-                )  # fmt: skip
-                step.completed.append(done)
-            else:
-                candidates.append((cum_logprob, token, beam))
-    scores = np.fromiter(
-        (c[0] for c in candidates), dtype=np.float64, count=len(candidates)
-    )
-    if len(candidates) <= config.width:
-        order = np.argsort(-scores)
+    arrays = [row if isinstance(row, Row) else Row.of(row) for row in rows]
+    if not arrays:
+        return step
+    tokens = np.concatenate([row.tokens for row in arrays])
+    owner = np.repeat(np.arange(len(arrays)), [len(row) for row in arrays])
+    cum = np.fromiter((b.seq.cum_logprob for b in beams), np.float64, len(beams))
+    scores = cum[owner] + np.concatenate([row.logprobs for row in arrays])
+    if config.eos_token_id is not None and not config.ignore_eos:
+        ends = tokens == config.eos_token_id
     else:
-        order = np.argpartition(-scores, config.width - 1)[: config.width]
-        order = order[np.argsort(-scores[order])]
-    for index in order:
-        cum_logprob, token, parent = candidates[int(index)]
+        ends = np.zeros(len(tokens), dtype=bool)
+    for index in np.flatnonzero(ends).tolist():
+        beam, token = beams[owner[index]], int(tokens[index])
+        step.completed.append(
+            BeamSearchSequence(
+                orig_prompt=beam.seq.orig_prompt,
+                tokens=[*beam.seq.tokens, token]
+                if config.include_stop_str_in_output
+                else beam.seq.tokens,
+                logprobs=[], cum_logprob=float(scores[index]),
+                finish_reason="stop", stop_reason=token,
+            )
+        )  # fmt: skip
+    candidates = np.flatnonzero(~ends)
+    live = scores[candidates]
+    if len(candidates) <= config.width:
+        order = np.argsort(-live)
+    else:
+        order = np.argpartition(-live, config.width - 1)[: config.width]
+        order = order[np.argsort(-live[order])]
+    for index in candidates[order].tolist():
+        parent = beams[owner[index]]
         seq = BeamSearchSequence(
-            orig_prompt=parent.seq.orig_prompt, tokens=[*parent.seq.tokens, token],
-            logprobs=[], cum_logprob=cum_logprob,
+            orig_prompt=parent.seq.orig_prompt,
+            tokens=[*parent.seq.tokens, int(tokens[index])],
+            logprobs=[], cum_logprob=float(scores[index]),
         )  # fmt: skip
         step.beams.append((seq, parent.request_id))
     return step
