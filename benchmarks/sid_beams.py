@@ -109,21 +109,29 @@ async def latency(server: Server, mode: str, width: int, args) -> tuple[float, f
     return statistics.median(times), illegal / max(total, 1)
 
 
+async def saturate(call, concurrency: int, per_client: int) -> float:
+    """Calls per second with ``concurrency`` clients, each making
+    ``per_client`` calls (``await call()``) back to back."""
+
+    async def worker() -> None:
+        for _ in range(per_client):
+            await call()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return concurrency * per_client / (time.perf_counter() - start)
+
+
 async def throughput(server: Server, mode: str, width: int, concurrency: int, args):
-    """Requests per second with ``concurrency`` clients, each sending
-    ``args.per_client`` requests back to back."""
+    """Beam requests per second at ``concurrency``."""
     async with httpx.AsyncClient(
         base_url=server.url, timeout=3600,
         limits=httpx.Limits(max_connections=concurrency + 4),
     ) as client:  # fmt: skip
-
-        async def worker() -> None:
-            for _ in range(args.per_client):
-                await beam(client, mode, fresh(args), width, args)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return concurrency * args.per_client / (time.perf_counter() - start)
+        return await saturate(
+            lambda: beam(client, mode, fresh(args), width, args),
+            concurrency, args.per_client,
+        )  # fmt: skip
 
 
 SUFFIX = 7  # the token after the thinking, before the item (say, <|sid_begin|>)
@@ -180,16 +188,14 @@ async def two_stage_runs(server: Server, mode: str, width: int, args) -> dict:
             stage2.append(second)
             illegal += sum(b not in items for b in beams)
             total += len(beams)
-        qps = {}
-        for c in args.concurrency:
-
-            async def worker() -> None:
-                for _ in range(args.per_client):
-                    await two_stage(client, mode, fresh(args), width, args)
-
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(c)))
-            qps[c] = c * args.per_client / (time.perf_counter() - start)
+        qps = {
+            c: await saturate(
+                lambda: two_stage(client, mode, fresh(args), width, args),
+                c,
+                args.per_client,
+            )
+            for c in args.concurrency
+        }
     return {
         "whole": statistics.median(whole), "stage2": statistics.median(stage2),
         "illegal": illegal / max(total, 1), "qps": qps,

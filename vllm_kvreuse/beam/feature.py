@@ -285,17 +285,24 @@ class EngineBeamSearch(Feature):
             self._emit(group, FinishReason.STOP, final)
             self._drop(group)
             return
+        # A catalog beam carries its trie node (and, at an item, its EOS).
+        extra = self._catalog_args(group.config, nodes) if nodes else None
         group.beams = [
             Beam(
                 seq,
-                self._spawn(group, seq.tokens, parent_id, i, nodes[i] if nodes else 0),
+                self._spawn(group, seq.tokens, parent_id, i, extra[i] if extra else {}),
                 nodes[i] if nodes else 0,
             )
             for i, (seq, parent_id) in enumerate(step.beams)
         ]
 
     def _spawn(
-        self, group: BeamGroup, tokens: list[int], parent_id: str, index: int, node: int
+        self,
+        group: BeamGroup,
+        tokens: list[int],
+        parent_id: str,
+        index: int,
+        catalog_args: dict[str, int],
     ) -> str:
         """Adds the request of one beam of the next step; returns its id."""
         root = group.root
@@ -304,9 +311,7 @@ class EngineBeamSearch(Feature):
         # per step was the largest cost of a step (as vLLM's own internal
         # beam search, which sets skip_clone).
         sampling = copy.copy(root.sampling_params)
-        sampling.extra_args = {PARENT: parent_id}
-        if group.config.sid_catalog:
-            sampling.extra_args |= self._catalog_args(group.config, node)
+        sampling.extra_args = {PARENT: parent_id, **catalog_args}
         request = Request(
             request_id=f"{root.request_id}-beam{group.step}-{index}",
             prompt_token_ids=list(tokens),
@@ -333,14 +338,19 @@ class EngineBeamSearch(Feature):
         self.core.internal.spawn(request, self)
         return request.request_id
 
-    def _catalog_args(self, config: BeamConfig, node: int) -> dict[str, int]:
-        """What the catalog's logits processor needs to mask this beam's row."""
+    def _catalog_args(
+        self, config: BeamConfig, nodes: list[int]
+    ) -> list[dict[str, int]]:
+        """What the logits processor needs to mask each next beam's row."""
         assert self.catalog is not None
-        args = {NODE_KEY: node}
-        is_leaf = bool(self.catalog.is_leaf(torch.tensor([node])).item())
-        if is_leaf and config.eos_token_id is not None and not config.ignore_eos:
-            args[LEAF_EOS_KEY] = config.eos_token_id
-        return args
+        eos = config.eos_token_id
+        if eos is None or config.ignore_eos:
+            return [{NODE_KEY: node} for node in nodes]
+        leaves = self.catalog.is_leaf(torch.tensor(nodes, dtype=torch.long)).tolist()
+        return [
+            {NODE_KEY: node, LEAF_EOS_KEY: eos} if leaf else {NODE_KEY: node}
+            for node, leaf in zip(nodes, leaves, strict=True)
+        ]
 
     def _emit(
         self,

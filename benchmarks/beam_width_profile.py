@@ -1,0 +1,76 @@
+"""Where a wide beam search's time goes: one offline search, profiled.
+
+Runs an in-process engine (engine core in this process, so ``cProfile``
+sees the scheduler, the beam step and the worker), times ``--repeats``
+searches of one fresh prompt each at every ``--widths``, then profiles one
+search at the widest and prints the top functions by cumulative and by own
+time.
+
+    .venv/bin/python benchmarks/beam_width_profile.py           # tiny, engine beams
+    .venv/bin/python benchmarks/beam_width_profile.py --plain   # vLLM's own loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import random
+import statistics
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny")
+    parser.add_argument("--widths", type=int, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--plain", action="store_true", help="vLLM's own beam search")
+    args = parser.parse_args()
+
+    import vllm_kvreuse
+
+    vllm_kvreuse.register()
+    from vllm import LLM
+    from vllm.sampling_params import BeamSearchParams
+
+    llm = LLM(
+        args.model, dtype="float32", enforce_eager=True,
+        max_model_len=args.prompt_tokens + args.max_tokens + 32,
+        max_logprobs=2 * max(args.widths) + 1,
+        engine_beam_search=not args.plain,
+    )  # fmt: skip
+    numbers = iter(range(10**9))
+
+    def search(width: int) -> float:
+        rng = random.Random(next(numbers))
+        tokens = [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
+        params = BeamSearchParams(beam_width=width, max_tokens=args.max_tokens)
+        start = time.perf_counter()
+        llm.beam_search([{"prompt_token_ids": tokens}], params)
+        return time.perf_counter() - start
+
+    mode = "vLLM's beam search" if args.plain else "engine beam search"
+    print(f"{mode}, {args.model}, {args.prompt_tokens}-token prompts")
+    for width in args.widths:
+        search(width)  # warm-up
+        times = [search(width) for _ in range(args.repeats)]
+        print(f"width {width}: {statistics.median(times) * 1e3:.0f} ms (median)")
+
+    profile = cProfile.Profile()
+    profile.enable()
+    search(max(args.widths))
+    profile.disable()
+    stats = pstats.Stats(profile)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
