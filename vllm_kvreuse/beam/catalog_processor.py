@@ -16,17 +16,31 @@ a request's top-k log-probs of the whole vocabulary; with this processor and
 
 Loaded through vLLM's ``logits_processors`` setting (added by
 ``--sid-catalog``); rows without a node are untouched and a batch without
-any costs one dict truth test.
+any costs one dict truth test. vLLM's two model runners have two processor
+interfaces: :class:`CatalogLogitsProcessor` for the V1 runner (batch updates
+keyed by persistent-batch row), :class:`CatalogLogitsProcessorV2` for the V2
+runner (per-slot state, rows mapped to slots each step). Both mask through
+:func:`mask_catalog_rows`; ``catalog_setup.select_catalog_processor`` names
+the one the engine's runner loads.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    LogitsContext,
+    LogitsProcRequestState,
+)
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    LogitsProcessor as LogitsProcessorV2,
+)
 
+from vllm_kvreuse.beam.catalog import SidCatalog
 from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY, engine_catalog
 
 if TYPE_CHECKING:
@@ -54,31 +68,92 @@ class CatalogLogitsProcessor(LogitsProcessor):
     def _node_of(
         params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
     ) -> tuple[int, int] | None:
-        extra_args = params.extra_args
-        if not extra_args or extra_args.get(NODE_KEY) is None:
-            return None
-        leaf_eos = extra_args.get(LEAF_EOS_KEY)
-        return extra_args[NODE_KEY], -1 if leaf_eos is None else leaf_eos
+        return catalog_state(params)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.nodes or self.catalog is None:
             return logits
         rows = torch.tensor(list(self.nodes), device=logits.device)
         states = torch.tensor(list(self.nodes.values()))
-        nodes = states[:, 0].to(self.catalog.device)
-        allowed = self.catalog.allowed_mask(nodes).to(logits.device)
-        vocab = logits.shape[1]
-        if allowed.shape[1] < vocab:  # the model's vocabulary may be padded
-            pad = allowed.new_zeros(len(rows), vocab - allowed.shape[1])
-            allowed = torch.cat((allowed, pad), dim=1)
-        allowed = allowed[:, :vocab]
-        # A leaf (a whole item) allows only its EOS.
-        leaves = self.catalog.is_leaf(nodes).to(logits.device)
-        eos = states[:, 1].to(logits.device)
-        at_leaf = (leaves & (eos >= 0)).nonzero().squeeze(1)
-        allowed[at_leaf, eos[at_leaf]] = True
-        logits[rows] = mask_with_sink(logits[rows], allowed)
-        return logits
+        return mask_catalog_rows(self.catalog, logits, rows, states[:, 0], states[:, 1])
+
+
+class CatalogLogitsProcessorV2(LogitsProcessorV2):
+    """The same mask for the V2 model runner.
+
+    State is per request slot (``add_request`` overwrites a recycled slot's
+    state; ``-1`` means "not a catalog beam"); each step maps the logits rows
+    to slots on the host, so a batch without catalog beams costs one numpy
+    lookup and no device work.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, req_states: LogitsProcRequestState
+    ) -> None:
+        self.catalog = engine_catalog(vllm_config, req_states.device)
+        self.node = np.full(req_states.max_num_reqs, -1, dtype=np.int64)
+        self.leaf_eos = np.full(req_states.max_num_reqs, -1, dtype=np.int64)
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        state = catalog_state(sampling_params)
+        self.node[req_idx], self.leaf_eos[req_idx] = state or (-1, -1)
+        return state is not None and self.catalog is not None
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        if self.catalog is None:
+            return logits
+        # One logits row per request unless speculative decoding expands rows.
+        slots = (
+            ctx.idx_mapping_np
+            if logits.shape[0] == len(ctx.idx_mapping_np)
+            else ctx.expanded_idx_mapping.cpu().numpy()
+        )
+        nodes = self.node[slots]
+        (rows,) = np.nonzero(nodes >= 0)
+        if not len(rows):
+            return logits
+        return mask_catalog_rows(
+            self.catalog,
+            logits,
+            torch.from_numpy(rows).to(logits.device),
+            torch.from_numpy(nodes[rows]),
+            torch.from_numpy(self.leaf_eos[slots[rows]]),
+        )
+
+
+def catalog_state(params: SamplingParams) -> tuple[int, int] | None:
+    """A catalog beam's (trie node, token allowed at a leaf or -1); None for
+    any other request."""
+    extra_args = params.extra_args
+    if not extra_args or extra_args.get(NODE_KEY) is None:
+        return None
+    leaf_eos = extra_args.get(LEAF_EOS_KEY)
+    return extra_args[NODE_KEY], -1 if leaf_eos is None else leaf_eos
+
+
+def mask_catalog_rows(
+    catalog: SidCatalog,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    nodes: torch.Tensor,
+    leaf_eos: torch.Tensor,
+) -> torch.Tensor:
+    """Masks ``logits[rows]`` to each row's trie node's children (a leaf: to
+    its EOS, where one is allowed), with the sink of :func:`mask_with_sink`."""
+    nodes = nodes.to(catalog.device)
+    allowed = catalog.allowed_mask(nodes).to(logits.device)
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:  # the model's vocabulary may be padded
+        pad = allowed.new_zeros(len(rows), vocab - allowed.shape[1])
+        allowed = torch.cat((allowed, pad), dim=1)
+    allowed = allowed[:, :vocab]
+    # A leaf (a whole item) allows only its EOS.
+    leaves = catalog.is_leaf(nodes).to(logits.device)
+    eos = leaf_eos.to(logits.device)
+    at_leaf = (leaves & (eos >= 0)).nonzero().squeeze(1)
+    allowed[at_leaf, eos[at_leaf]] = True
+    logits[rows] = mask_with_sink(logits[rows], allowed)
+    return logits
 
 
 def mask_with_sink(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,20 @@ from vllm_kvreuse.beam.catalog_file import load_catalog
 from vllm_kvreuse.beam.policy import LEAF_EOS_KEY, NODE_KEY
 from vllm_kvreuse.config import KVReuseConfig
 
-__all__ = ["LEAF_EOS_KEY", "NODE_KEY", "PROCESSOR", "engine_catalog"]
+__all__ = [
+    "LEAF_EOS_KEY",
+    "NODE_KEY",
+    "PROCESSOR",
+    "PROCESSOR_V2",
+    "engine_catalog",
+    "select_catalog_processor",
+]
 
 PROCESSOR = "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessor"
+"""The catalog mask for vLLM's V1 model runner (what ``--sid-catalog`` adds)."""
+PROCESSOR_V2 = "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessorV2"
+"""The same mask for the V2 model runner, which loads only processors of its
+own interface (``vllm.v1.worker.gpu.sample.logits_processor``)."""
 
 
 def engine_catalog(vllm_config: Any, device: torch.device | str) -> SidCatalog | None:
@@ -67,3 +78,22 @@ def attach_catalog_processor(engine_args: Any) -> None:
     processors = list(engine_args.logits_processors or [])
     if PROCESSOR not in processors:
         engine_args.logits_processors = [*processors, PROCESSOR]
+
+
+def select_catalog_processor(vllm_config: Any) -> None:
+    """Names the catalog processor of the runner this engine will build.
+
+    Engine arguments cannot know the runner: vLLM picks it from the finished
+    config (``VllmConfig.use_v2_model_runner``: the environment, Triton,
+    unsupported features). So ``--sid-catalog`` adds the V1 processor, and
+    this runs at the end of ``VllmConfig.__post_init__`` (in the process that
+    builds the config; the result travels to every process with it), swapping
+    in the V2 one when V2 will run. Idempotent.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    processors = list(getattr(model_config, "logits_processors", None) or ())
+    if PROCESSOR not in processors or not vllm_config.use_v2_model_runner:
+        return
+    model_config.logits_processors = [
+        PROCESSOR_V2 if name == PROCESSOR else name for name in processors
+    ]

@@ -40,6 +40,7 @@ from vllm_kvreuse.core.context import Core
 from vllm_kvreuse.core.feature import HOOKS, Feature, implements
 from vllm_kvreuse.core.features import build_features
 from vllm_kvreuse.core.ledger import Hit
+from vllm_kvreuse.engine_args import finalize_vllm_config
 
 logger = init_logger(__name__)
 
@@ -254,5 +255,6 @@ def wrap_vllm_config_post_init(original: Callable[..., Any]) -> Callable[..., An
         enabled = KVReuseConfig.from_vllm_config(self).enabled - {"core"}
         if enabled:
             self.scheduler_config.kvreuse_features = enabled
+        finalize_vllm_config(self)
 
     return __post_init__

