@@ -9,7 +9,10 @@ vLLM decides whether Triton (and so the V2 runner) is usable when
 
 ``--runner v2`` runs the engine-level tests (``V2_TIER_DIRS``) under vLLM's
 V2 model runner, less those marked ``v1_only``; it is active only in the
-test processes and the processes they start, never outside the tests.
+test processes and the processes they start, never outside the tests. In
+the GPU tier (``KVREUSE_GPU_TIER``, scripts/test_gpu.sh) the option only
+sets ``VLLM_USE_V2_MODEL_RUNNER``: CUDA needs no stand-in and no
+interpreter, and every selected test runs.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     runner = early_config.known_args_namespace.runner
     os.environ["KVREUSE_TEST_RUNNER"] = runner
-    if runner == "v2":
+    if os.environ.get("KVREUSE_GPU_TIER"):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    elif runner == "v2":
         use_v2_runner()
 
 
@@ -72,7 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    if config.getoption("--runner") != "v2":
+    if config.getoption("--runner") != "v2" or os.environ.get("KVREUSE_GPU_TIER"):
         return
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []

@@ -17,7 +17,14 @@ from vllm_kvreuse.testing.soak.mix import MAX_TTL
 from vllm_kvreuse.testing.soak.report import MIB, Summary, summarize, to_markdown
 from vllm_kvreuse.testing.soak.run import SoakConfig, run_soak, start_server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    # Its bounds (16 clients for 50 s, answers within 20 s) are set for the
+    # V1 runner on 2 cores; the interpreted V2 runner is ~13x slower per
+    # step, so under V2 the soak would time the interpreter. The liveness
+    # rules it checks live in the scheduler, the same under both runners.
+    pytest.mark.v1_only("latency bounds calibrated for V1 on CPU"),
+]
 
 CONFIG = SoakConfig(
     duration=50.0,

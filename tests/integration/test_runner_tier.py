@@ -15,6 +15,19 @@ def _runner_class(worker) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _runner_patches_applied(worker) -> dict[str, bool]:
+    import inspect
+
+    from vllm_kvreuse.patches import PATCHES, is_patched
+
+    applied = {}
+    for patch in PATCHES:
+        if patch.runner is not None:
+            owner, attr = patch.owner_and_attr()
+            applied[patch.target] = is_patched(inspect.getattr_static(owner, attr))
+    return applied
+
+
 def test_worker_built_the_tier_runner(model_dir: str, runner: str) -> None:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
@@ -29,6 +42,11 @@ def test_worker_built_the_tier_runner(model_dir: str, runner: str) -> None:
             assert llm.llm_engine.vllm_config.use_v2_model_runner
         else:
             assert issubclass(cls, V1Runner) and not issubclass(cls, V2Runner), built
+        # The worker applied its runner's patches and no other runner's.
+        from vllm_kvreuse.patches import PATCHES
+
+        (applied,) = llm.collective_rpc(_runner_patches_applied)
+        assert applied == {p.target: p.runner == runner for p in PATCHES if p.runner}
         # Both runners produce tokens through the plugin's patches.
         out = llm.generate([[1, 2, 3, 4]], _greedy(4))
         assert len(out[0].outputs[0].token_ids) == 4

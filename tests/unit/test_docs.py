@@ -20,3 +20,16 @@ def test_every_flag_is_documented() -> None:
     text = "".join(page.read_text() for page in DOCS.glob("*.md"))
     missing = [option.flag for option in OPTIONS if option.flag not in text]
     assert missing == [], "document these flags in docs/"
+
+
+def test_runners_table_lists_every_test_file() -> None:
+    """docs/architecture.md says under which runner(s) each test file runs."""
+    text = (DOCS / "architecture.md").read_text()
+    table = text[text.index("### The test tiers") : text.index("## Platforms")]
+    tests = DOCS.parent / "tests"
+    missing = [
+        path.relative_to(tests.parent).as_posix()
+        for path in sorted(tests.rglob("test_*.py"))
+        if f"`{path.relative_to(tests.parent).as_posix()}`" not in table
+    ]
+    assert missing == [], "add these test files to the Runners table"

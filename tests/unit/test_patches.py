@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import vllm_kvreuse
 from vllm_kvreuse.compat import SUPPORTED_VLLM, supported_release
-from vllm_kvreuse.patches import PATCHES, apply_all, is_patched, signature_of
+from vllm_kvreuse.patches import (
+    PATCHES,
+    apply_all,
+    apply_for_runner,
+    is_patched,
+    signature_of,
+)
 
 PACKAGE = Path(vllm_kvreuse.__file__).parent
 
@@ -44,6 +52,8 @@ def test_every_patch_records_every_supported_release() -> None:
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target)
 def test_every_registered_patch_is_applied(patch) -> None:
+    if patch.runner is not None:  # as a worker that builds this runner does
+        apply_for_runner(patch.runner)
     owner, attr = patch.owner_and_attr()
     current = inspect.getattr_static(owner, attr)
     raw = getattr(current, "__func__", current)
@@ -59,6 +69,28 @@ def test_apply_all_is_idempotent() -> None:
     assert apply_all() == []
     vllm_kvreuse.register()
     assert apply_all() == []
+
+
+def test_runner_patches_wait_for_a_worker_of_their_runner() -> None:
+    """Loading the plugin leaves every runner's code alone; a worker applies
+    its own runner's patches (tests/integration/test_runner_tier.py checks
+    that in live engines of each tier)."""
+    code = (
+        "import vllm_kvreuse, inspect\n"
+        "from vllm_kvreuse.patches import PATCHES, is_patched\n"
+        "vllm_kvreuse.register()\n"
+        "def on(p):\n"
+        "    owner, attr = p.owner_and_attr()\n"
+        "    raw = inspect.getattr_static(owner, attr)\n"
+        "    return is_patched(getattr(raw, '__func__', raw))\n"
+        "print(sorted(p.target for p in PATCHES if p.runner and on(p)))\n"
+        "print(all(on(p) for p in PATCHES if p.runner is None))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[-2:] == ["[]", "True"]
+    assert any(patch.runner for patch in PATCHES)
 
 
 def test_every_patch_entry_is_documented() -> None:

@@ -10,7 +10,10 @@ Rules:
 - A patch wraps the original (kept as ``__wrapped__``) and calls it; none
   copies an upstream body.
 - :func:`apply_all` is idempotent and runs in every process that loads the
-  plugin (API server, engine core, workers).
+  plugin (API server, engine core, workers). It leaves out patches of one
+  model runner's code (``Patch.runner``): a worker applies those of the
+  runner it builds (:func:`apply_for_runner`, called when the worker is
+  initialised, where vLLM's config says which runner it will be).
 - ``signatures`` holds the original's signature in each supported vLLM
   release (:data:`vllm_kvreuse.compat.SUPPORTED_VLLM`);
   ``tests/unit/test_patches.py`` checks the installed release's, requires one
@@ -25,6 +28,7 @@ from vllm_kvreuse.patches.registry import (
     ABSENT,
     V0_32_0,
     Patch,
+    Runner,
     is_patched,
     signature_of,
 )
@@ -36,7 +40,9 @@ __all__ = [
     "SCHEDULER_OVERRIDES",
     "V0_32_0",
     "Patch",
+    "Runner",
     "apply_all",
+    "apply_for_runner",
     "is_patched",
     "signature_of",
 ]
@@ -45,5 +51,12 @@ PATCHES: tuple[Patch, ...] = (*startup.PATCHES, *serving.PATCHES, *engine.PATCHE
 
 
 def apply_all() -> list[str]:
-    """Applies every patch not yet applied in this process; returns their targets."""
-    return [patch.target for patch in PATCHES if patch.apply()]
+    """Applies every runner-independent patch not yet applied in this
+    process; returns their targets."""
+    return [p.target for p in PATCHES if p.runner is None and p.apply()]
+
+
+def apply_for_runner(runner: Runner) -> list[str]:
+    """Applies the patches of ``runner``'s code not yet applied in this
+    process; returns their targets. Those of the other runner stay off."""
+    return [p.target for p in PATCHES if p.runner == runner and p.apply()]

@@ -118,33 +118,42 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM reserves the extra core only for connectors that "
         "ask for it (a connector capability, or NIXL only).",
     ),
-    # The helper is defined in worker.utils and imported by name into both
-    # model runners, so each binding is wrapped (the V1 runner's is the one
-    # vllm-ascend's NPUModelRunner reaches through super()._update_states).
-    *(
-        Patch(
-            target=f"{module}:copy_kv_cache_blocks_inplace",
-            wrapper="vllm_kvreuse.device.block_copy:wrap_copy_kv_cache_blocks",
-            kind="function",
-            signatures={
-                V0_32_0: "(kv_caches: collections.abc.Iterable[torch.Tensor], "
-                "num_blocks: int, kv_cache_block_copies: collections.abc.Sequence["
-                "vllm.v1.core.kv_cache_utils.KVCacheBlockCopy]) -> None"
-            },
-            why="Copy-on-write tails (continuation, beam forks, partial prefix "
-            "hits) reach the workers as SchedulerOutput.kv_cache_block_copies, "
-            "applied by this helper, which reads cache.device on each layer's "
-            "entry: vllm-ascend keeps a layer's KV as a (k, v) tuple, so it "
-            "raises AttributeError there.",
-            how="Passes each layer's tensors (a tuple's members, a tensor as "
-            "itself) to the original, which copies block rows of each one; "
-            "plain tensors reach it unchanged.",
-            remove_when="vLLM's helper accepts per-layer tuples of tensors.",
-        )
-        for module in (
-            "vllm.v1.worker.utils",
-            "vllm.v1.worker.gpu_model_runner",
-            "vllm.v1.worker.gpu.model_runner",
-        )
+    Patch(
+        target="vllm.v1.worker.worker_base:WorkerWrapperBase.init_worker",
+        wrapper="vllm_kvreuse.runners:wrap_init_worker",
+        kind="function",
+        signatures={V0_32_0: "(self, all_kwargs: list[dict[str, typing.Any]]) -> None"},
+        why="Patches of one model runner's code must be applied only where "
+        "that runner runs, and which one vLLM builds is known only from the "
+        "finished config, which a process does not have when it loads plugins.",
+        how="Before the original builds the worker, applies the registry's "
+        "patches whose runner is the one this config selects "
+        "(VllmConfig.use_v2_model_runner); every worker, in-process or not, "
+        "is initialised here.",
+        remove_when="vLLM loads plugins with the config (or names the runner "
+        "to them).",
+    ),
+    # vllm-ascend's NPUModelRunner reaches this name through the V1 runner's
+    # _update_states; the V2 runner has no (k, v)-tuple layout to serve.
+    Patch(
+        target="vllm.v1.worker.gpu_model_runner:copy_kv_cache_blocks_inplace",
+        wrapper="vllm_kvreuse.device.block_copy:wrap_copy_kv_cache_blocks",
+        kind="function",
+        runner="v1",
+        signatures={
+            V0_32_0: "(kv_caches: collections.abc.Iterable[torch.Tensor], "
+            "num_blocks: int, kv_cache_block_copies: collections.abc.Sequence["
+            "vllm.v1.core.kv_cache_utils.KVCacheBlockCopy]) -> None"
+        },
+        why="Copy-on-write tails (continuation, beam forks, partial prefix "
+        "hits) reach the workers as SchedulerOutput.kv_cache_block_copies, "
+        "applied by this helper (defined in vllm.v1.worker.utils, imported by "
+        "name into the V1 runner), which reads cache.device on each layer's "
+        "entry: vllm-ascend keeps a layer's KV as a (k, v) tuple, so it "
+        "raises AttributeError there.",
+        how="Passes each layer's tensors (a tuple's members, a tensor as "
+        "itself) to the original, which copies block rows of each one; "
+        "plain tensors reach it unchanged.",
+        remove_when="vLLM's helper accepts per-layer tuples of tensors.",
     ),
 )

