@@ -69,12 +69,14 @@ class Run:
 
 
 def patch_targets(results: Path) -> Path:
-    """The registry's targets as JSON, listed by a process that imports this
-    checkout's plugin (the ``off`` mode's test process sees only the stub)."""
+    """The targets of the registry's load-time patches as JSON, listed by a
+    process that imports this checkout's plugin (the ``off`` mode's test
+    process sees only the stub). Runner patches are left out: a worker
+    applies them, and these tests build no worker."""
     path = results / "patch_targets.json"
     code = (
         "import json; from vllm_kvreuse.patches import PATCHES; "
-        "print(json.dumps([p.target for p in PATCHES]))"
+        "print(json.dumps([p.target for p in PATCHES if p.runner is None]))"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run(
