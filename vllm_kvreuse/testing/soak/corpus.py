@@ -25,7 +25,8 @@ _VOCABULARY = (
 )
 WORDS = tuple(_VOCABULARY.split())
 
-SEPARATOR = "##"
+Prompt = str | list[str]
+"""A plain text prompt, or a RAG prompt's segments (sent as ``chunks``)."""
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -52,16 +53,16 @@ class Corpus:
         return cls(systems, documents)
 
     def plain_prompt(self, rng: random.Random) -> str:
-        """A prompt without separators, 10-400 words; a fresh tag keeps them
+        """A plain prompt, 10-400 words; a fresh tag keeps them
         from being prefix-cache hits."""
         return f"Request {rng.randrange(10**9)}: {words(rng, rng.randint(10, 400))}"
 
-    def rag_prompt(self, rng: random.Random) -> str:
-        """``system##doc##doc[##doc[##doc]]##question``: 2-4 distinct pool
-        documents in random order."""
+    def rag_prompt(self, rng: random.Random) -> list[str]:
+        """Segments ``[system, doc, doc[, doc[, doc]], question]``: 2-4
+        distinct pool documents in random order."""
         docs = rng.sample(self.documents, rng.randint(2, 4))
         question = f"Question {rng.randrange(10**6)}: what about {rng.choice(WORDS)}?"
-        return SEPARATOR.join([rng.choice(self.systems), *docs, question])
+        return [rng.choice(self.systems), *docs, question]
 
-    def any_prompt(self, rng: random.Random) -> str:
+    def any_prompt(self, rng: random.Random) -> Prompt:
         return self.rag_prompt(rng) if rng.random() < 0.5 else self.plain_prompt(rng)

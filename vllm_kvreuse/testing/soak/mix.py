@@ -12,7 +12,8 @@ Kinds (:data:`WEIGHTS`):
   ``chain_twice`` sends two stage-2 requests to one parent at once,
   ``chain_expired`` sends stage 2 after the parent's TTL (must be a 404);
   a quarter of the stage-1 prompts are RAG prompts;
-- ``rag``: ``system##doc##...##question`` over the corpus's document pool;
+- ``rag``: ``chunks: [system, doc, ..., question]`` over the corpus's
+  document pool;
 - ``threshold``: ``cache_hit_threshold: 1.0``, which no request can meet,
   so it must finish with ``finish_reason: "cache_threshold"``;
 - ``malformed``: one of :data:`MALFORMED`, which must get a 4xx.
@@ -33,7 +34,7 @@ from typing import Any
 import httpx
 
 from vllm_kvreuse.testing.server import SERVED_MODEL
-from vllm_kvreuse.testing.soak.corpus import Corpus
+from vllm_kvreuse.testing.soak.corpus import Corpus, Prompt
 from vllm_kvreuse.testing.soak.records import TIMEOUT, Record
 
 WEIGHTS: dict[str, float] = {
@@ -56,6 +57,7 @@ MAX_TTL = max(*STAGE1_TTLS, EXPIRED_TTL)
 SUFFIX = " then recommend"
 
 _X = {"model": SERVED_MODEL, "prompt": "hello there", "max_tokens": 2}
+_C = {"model": SERVED_MODEL, "max_tokens": 2}
 MALFORMED: dict[str, dict[str, Any] | bytes] = {
     "retain_kv_string": {**_X, "retain_kv": "yes"},
     "retain_kv_ttl_string": {**_X, "retain_kv": True, "retain_kv_ttl": "soon"},
@@ -70,9 +72,9 @@ MALFORMED: dict[str, dict[str, Any] | bytes] = {
         "continuation_suffix": "a",
         "continuation_suffix_token_ids": [1],
     },
-    "empty_segment": {**_X, "prompt": "sys####question"},
-    "chunks_not_lists": {"model": SERVED_MODEL, "chunks": "x", "max_tokens": 2},
-    "chunks_one_segment": {"model": SERVED_MODEL, "chunks": [[1, 2]], "max_tokens": 2},
+    "empty_segment": {**_C, "chunks": ["sys", "", "q"]},
+    "chunks_not_lists": {**_C, "chunks": "x"},
+    "chunks_one_segment": {**_C, "chunks": [[1, 2]]},
     "xargs_kvreuse_chunks": {**_X, "vllm_xargs": {"kvreuse_chunks": "x"}},
     "xargs_kvreuse_beam": {**_X, "vllm_xargs": {"kvreuse_beam": "x"}},
     "xargs_kvreuse_parent": {**_X, "vllm_xargs": {"kvreuse_parent": 5}},
@@ -204,9 +206,10 @@ class Mix:
     # -- bodies -----------------------------------------------------------------
 
     @staticmethod
-    def body(rng: random.Random, prompt: str) -> dict[str, Any]:
+    def body(rng: random.Random, prompt: Prompt) -> dict[str, Any]:
         return {
-            "model": SERVED_MODEL, "prompt": prompt,
+            "model": SERVED_MODEL,
+            **({"chunks": prompt} if isinstance(prompt, list) else {"prompt": prompt}),
             "max_tokens": rng.randint(4, 48),
             "temperature": rng.choice((0.0, 0.0, 0.8)),
         }  # fmt: skip
@@ -325,5 +328,5 @@ class Mix:
         return record
 
 
-def _shape(prompt: str) -> str:
-    return "rag" if "##" in prompt else "text"
+def _shape(prompt: Prompt) -> str:
+    return "rag" if isinstance(prompt, list) else "text"
