@@ -178,6 +178,7 @@ def breakdown(step: Step) -> dict[str, float]:
     out = {part: step.ns.get(part, 0) / 1e6 for part in PARTS}
     out["model"] = (step.ns.get("forward", 0) + step.ns.get("logits", 0)) / 1e6
     out["overhead"] = sum(out[part] for part in PARTS)
+    out["engine"] = out["overhead"] - out["front"]  # without the frontend
     out["wall"] = out["overhead"] + out["model"]
     return out
 
@@ -266,7 +267,7 @@ def main() -> None:
             runs["beams"] += beams(width)
             runs["decode"] += decode(width)
             runs["decode+lp"] += decode(width, logprobs=2 * width)
-        print(f"\nW = {width}{'':<10}{header}")
+        print(f"\nW = {width:<11}{header}")
         result = {}
         for mode, steps in runs.items():
             if not steps:
@@ -275,12 +276,11 @@ def main() -> None:
             result[mode] = m = medians(steps)
             cells = " ".join(f"{m[p]:7.2f}" for p in (*PARTS, "overhead"))
             print(
-                f"{mode:<8}n={len(steps):<4}{cells} {m['model']:7.2f} {m['wall']:7.2f}"
+                f"{mode:<10}n={len(steps):<3}{cells} {m['model']:7.2f} {m['wall']:7.2f}"
             )
         if len(result) == 3:
             ratio = result["beams"]["overhead"] / result["decode"]["overhead"]
-            engine = {m: r["overhead"] - r["front"] for m, r in result.items()}
-            ratio_lp = engine["beams"] / engine["decode+lp"]
+            ratio_lp = result["beams"]["engine"] / result["decode+lp"]["engine"]
             summary.append((width, result, ratio, ratio_lp))
             print(
                 f"overhead beams / decode: {ratio:.2f}x; without the frontend, "
@@ -294,7 +294,7 @@ def main() -> None:
         lp = result["decode+lp"]
         print(
             f"{width}, {result['beams']['overhead']:.1f}, "
-            f"{result['decode']['overhead']:.1f}, {lp['overhead'] - lp['front']:.1f}, "
+            f"{result['decode']['overhead']:.1f}, {lp['engine']:.1f}, "
             f"{ratio:.2f}, {ratio_lp:.2f}"
         )
     sys.stdout.flush()
