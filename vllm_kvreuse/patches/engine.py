@@ -136,10 +136,13 @@ PATCHES: tuple[Patch, ...] = (
             "applied by this helper, which reads cache.device on each layer's "
             "entry: vllm-ascend keeps a layer's KV as a (k, v) tuple, so it "
             "raises AttributeError there.",
-            how="Passes each layer's tensors (a tuple's members, a tensor as "
-            "itself) to the original, which copies block rows of each one; "
-            "plain tensors reach it unchanged.",
-            remove_when="vLLM's helper accepts per-layer tuples of tensors.",
+            how="Takes each layer's tensors (a tuple's members, a tensor as "
+            "itself); on CPU, where the original's batched index_put is "
+            "element-wise (30-75 ms for 128 blocks of 32 KiB, against 0.5 ms "
+            "for one copy_ per block), copies block-major tensors block by "
+            "block; passes the rest to the original.",
+            remove_when="vLLM's helper accepts per-layer tuples of tensors and "
+            "copies whole blocks on CPU.",
         )
         for module in (
             "vllm.v1.worker.utils",
