@@ -36,6 +36,7 @@ Prints one table per width and the ratios of overheads: beams / decode, and
 beams / decode+lp without the frontend.
 
     .venv/bin/python benchmarks/beam_step_overhead.py                 # V1 runner
+    .venv/bin/python benchmarks/beam_step_overhead.py --clock cpu     # on a busy box
     .venv/bin/python benchmarks/beam_step_overhead.py --runner v2 \\
         --widths 50 128 512 --steps 3 --repeats 1                     # V2 runner
 """
@@ -97,17 +98,18 @@ class Timers:
     counted in its own part only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+        self.clock = clock
         self.steps: list[Step] = []
         self.current = Step()
         self._stack: list[list[Any]] = []  # [part, start ns, nested ns]
 
     def enter(self, part: str) -> None:
-        self._stack.append([part, time.perf_counter_ns(), 0])
+        self._stack.append([part, self.clock(), 0])
 
     def leave(self) -> None:
         part, start, nested = self._stack.pop()
-        elapsed = time.perf_counter_ns() - start
+        elapsed = self.clock() - start
         self.current.add(part, elapsed - nested)
         if self._stack:
             self._stack[-1][2] += elapsed
@@ -198,11 +200,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode")
     parser.add_argument(
+        "--lp-max-width",
+        type=int,
+        default=512,
+        help="run decode+lp only up to this width (its frontend builds W x 2W "
+        "Logprob objects a step: 10 s a step at W = 512 here)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this thread's CPU time, with the worker on one OpenMP thread "
+        "(the engine runs in this thread): robust to other processes' load",
+    )
+    parser.add_argument(
         "--show-steps", action="store_true", help="print every step's shape"
     )
     args = parser.parse_args()
     if args.runner == "v2":
         use_v2_runner()
+    if args.clock == "cpu":
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
 
     import vllm_kvreuse
 
@@ -220,7 +238,9 @@ def main() -> None:
         max_logprobs=2 * widest + 1, engine_beam_search=True,
         kv_cache_memory_bytes=512 << 20,
     )  # fmt: skip
-    timers = Timers()
+    timers = Timers(
+        time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    )
     runner = timers.install(llm)
     rng = random.Random(0)
 
@@ -254,7 +274,7 @@ def main() -> None:
 
     print(
         f"{args.model}, runner {runner}, {args.prompt_tokens}-token prompts, "
-        f"{args.block_size}-token blocks, "
+        f"{args.block_size}-token blocks, {args.clock} clock, "
         f"{args.steps} steps x {args.repeats} runs per mode; ms per step, medians"
     )
     header = " ".join(f"{p:>7}" for p in (*PARTS, "overhead", "model", "wall"))
@@ -262,11 +282,14 @@ def main() -> None:
     for width in args.widths:
         beams(width), decode(width)  # warm-up
         timers.take()
-        runs: dict[str, list[Step]] = {"beams": [], "decode": [], "decode+lp": []}
+        runs: dict[str, list[Step]] = {"beams": [], "decode": []}
+        if width <= args.lp_max_width:
+            runs["decode+lp"] = []
         for _ in range(args.repeats):
             runs["beams"] += beams(width)
             runs["decode"] += decode(width)
-            runs["decode+lp"] += decode(width, logprobs=2 * width)
+            if width <= args.lp_max_width:
+                runs["decode+lp"] += decode(width, logprobs=2 * width)
         print(f"\nW = {width:<11}{header}")
         result = {}
         for mode, steps in runs.items():
@@ -278,9 +301,11 @@ def main() -> None:
             print(
                 f"{mode:<10}n={len(steps):<3}{cells} {m['model']:7.2f} {m['wall']:7.2f}"
             )
-        if len(result) == 3:
+        if "beams" in result and "decode" in result:
             ratio = result["beams"]["overhead"] / result["decode"]["overhead"]
-            ratio_lp = result["beams"]["engine"] / result["decode+lp"]["engine"]
+            ratio_lp = float("nan")
+            if "decode+lp" in result:
+                ratio_lp = result["beams"]["engine"] / result["decode+lp"]["engine"]
             summary.append((width, result, ratio, ratio_lp))
             print(
                 f"overhead beams / decode: {ratio:.2f}x; without the frontend, "
@@ -291,10 +316,10 @@ def main() -> None:
         "beams/decode, beams/decode+lp (engine only)"
     )
     for width, result, ratio, ratio_lp in summary:
-        lp = result["decode+lp"]
+        lp = result.get("decode+lp", {}).get("engine", float("nan"))
         print(
             f"{width}, {result['beams']['overhead']:.1f}, "
-            f"{result['decode']['overhead']:.1f}, {lp['engine']:.1f}, "
+            f"{result['decode']['overhead']:.1f}, {lp:.1f}, "
             f"{ratio:.2f}, {ratio_lp:.2f}"
         )
     sys.stdout.flush()
