@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from vllm_kvreuse.beam.catalog_file import load_catalog
-from vllm_kvreuse.beam.catalog_step import step
 from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.testing.catalog_reference import step
 
 VOCAB = 160_000
 CODEBOOK = 8192

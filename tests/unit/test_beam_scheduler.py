@@ -9,8 +9,8 @@ from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import make_request, num_free_blocks
-from vllm_kvreuse.beam.feature import RESULT_KEY
 from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.result import BeamOut, BeamResult, decode, encode
 
 PROMPT = list(range(400, 440))  # 40 tokens: 1 full block + 8
 TOKENS = [10, 10, 11, 12, 13]  # sampled first, then the top 4
@@ -66,10 +66,12 @@ def test_group_runs_in_the_engine_and_returns_beams(make_scheduler) -> None:
     assert len(scheduled[1][1]) == 2
     (final,) = outputs  # members' outputs never reach the frontend
     assert final.request_id == "root" and final.finish_reason == FinishReason.STOP
-    beams = final.kv_transfer_params[RESULT_KEY]
-    assert [b["token_ids"] for b in beams] == [[10, 10], [10, 11]]
-    assert abs(beams[0]["cum_logprob"] - (-0.2)) < 1e-9
-    assert final.kv_transfer_params["forks"] == 2
+    assert final.kv_transfer_params is None  # P/D connectors' field, left alone
+    result = decode(final.stop_reason)
+    assert result is not None, final.stop_reason
+    assert [b.token_ids for b in result.beams] == [[10, 10], [10, 11]]
+    assert abs(result.beams[0].cum_logprob - (-0.2)) < 1e-9
+    assert result.forks == 2
     assert num_free_blocks(scheduler) == free_at_start
 
 
@@ -101,7 +103,7 @@ def test_a_step_is_admitted_whole_or_not_at_all(make_scheduler) -> None:
     assert set(members_per_step) <= {0, 4}, members_per_step
     assert members_per_step.count(4) == 2  # tokens 2 and 3, each step whole
     finals = {o.request_id: o for o in outputs if o.finish_reason is not None}
-    assert RESULT_KEY in finals["root"].kv_transfer_params
+    assert decode(finals["root"].stop_reason) is not None
     assert num_free_blocks(scheduler) == free_at_start
 
 
@@ -124,3 +126,19 @@ def test_beams_reuse_the_root_prompt_hashes_and_hash_the_rest(make_scheduler) ->
         fresh = make_request("fresh", member.prompt_token_ids)
         assert member.block_hashes == fresh.block_hashes
     scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)
+
+
+def test_the_result_survives_its_trip_in_the_stop_reason() -> None:
+    """Encoded into the root's stop reason and back, bit for bit (-inf too);
+    an engine answer without the tag carries no result."""
+    result = BeamResult(
+        beams=[
+            BeamOut([5, 2], -0.1 + -0.2, "stop", 2),
+            BeamOut([7, 7], float("-inf"), "length", None),
+        ],
+        forks=4,
+        copied_blocks=3,
+        member_computed_tokens=9,
+    )
+    assert decode(encode(result)) == result
+    assert decode("cache_threshold") is None and decode(None) is None

@@ -14,6 +14,7 @@ import pytest
 import torch
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
+from vllm_kvreuse.device.block_copy import copy_cpu_blocks
 from vllm_kvreuse.patches import PATCHES
 from vllm_kvreuse.testing.ascend_layout import ascend_layer
 
@@ -78,7 +79,7 @@ def test_the_runners_block_copy_handles_vllm_ascend_tuples(
         assert_copied(old, new, splits)
 
 
-def test_plain_tensors_still_reach_vllms_helper() -> None:
+def test_plain_tensors_are_copied() -> None:
     """vLLM's own layouts (here CPU attention's ``[blocks, H, block, 2D]``)."""
     copy = importlib.import_module(
         "vllm.v1.worker.gpu_model_runner"
@@ -88,3 +89,28 @@ def test_plain_tensors_still_reach_vllms_helper() -> None:
     copy(iter(layers), NUM_BLOCKS, COPIES)  # the runners pass any iterable
     for old, new in zip(before, layers, strict=True):
         assert_copied(old, new, 1)
+
+
+@pytest.mark.parametrize("kernel_splits", [1, 2])
+def test_cpu_block_copies_equal_vllms_helper(kernel_splits: int) -> None:
+    """On CPU the copies run block by block (vLLM's batched index_put is
+    element-wise there); the caches end exactly as vLLM's helper leaves them,
+    a layer aliasing another included. A batch whose destination is also a
+    source goes to vLLM's helper, whose reads all precede its writes."""
+    upstream = COPY_TARGETS[0].original()
+    patched = importlib.import_module(
+        "vllm.v1.worker.gpu_model_runner"
+    ).copy_kv_cache_blocks_inplace
+    shape = (NUM_BLOCKS * kernel_splits, 2, 16 // kernel_splits, 64)
+    for copies in (COPIES, [KVCacheBlockCopy(1, 3), KVCacheBlockCopy(3, 2)]):
+        ours = filled([torch.zeros(shape) for _ in range(2)])
+        ours.append(ours[0])
+        theirs = [layer.clone() for layer in ours[:2]]
+        patched(ours, NUM_BLOCKS, copies)
+        upstream(theirs, NUM_BLOCKS, copies)
+        for mine, reference in zip(ours[:2], theirs, strict=True):
+            assert torch.equal(mine, reference)
+    layers = [torch.zeros(shape)]
+    assert copy_cpu_blocks(layers, NUM_BLOCKS, COPIES) == []  # done block by block
+    chained = [KVCacheBlockCopy(1, 3), KVCacheBlockCopy(3, 2)]
+    assert copy_cpu_blocks(layers, NUM_BLOCKS, chained) == layers  # to the helper

@@ -8,13 +8,13 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.catalog_step import (
+from vllm_kvreuse.beam.policy import Beam, BeamConfig, expand
+from vllm_kvreuse.testing.catalog_reference import (
     expand_constrained,
     offer_rows,
     step,
     top_k_stable,
 )
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, expand
 
 EOS = 0
 

@@ -21,38 +21,28 @@ Block ownership:
 - When the group ends, fails or is aborted, everything it holds is released
   and its live members are aborted.
 
-Admission: a step's waiting members are held back unless the free blocks
-cover all of them (one copy-on-write tail block each), oldest group first;
-a step admits nothing counts as memory pressure, so this cannot deadlock.
+Admission: a step is admitted whole (:mod:`.gate`).
 
 Outputs: the root's output and members' outputs never reach the client; the
-root's client gets one final output whose ``kv_transfer_params
-["kvreuse_beams"]`` lists the best beams.
+root's client gets one final output whose ``stop_reason`` carries the best
+beams (:mod:`.result`).
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.beam.catalog_beams import catalog_step
+from vllm_kvreuse.beam import result as beam_result
+from vllm_kvreuse.beam.catalog_policy import catalog_step
 from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY, engine_catalog
-from vllm_kvreuse.beam.policy import (
-    Beam,
-    BeamConfig,
-    Row,
-    best,
-    expand,
-    logprob_row,
-)
+from vllm_kvreuse.beam.gate import park_steps_that_do_not_fit
+from vllm_kvreuse.beam.group import BeamGroup, member_request
+from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.core.feature import Feature
-from vllm_kvreuse.request_args import PARENT
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -60,37 +50,8 @@ if TYPE_CHECKING:
     from vllm_kvreuse.core.context import Core
 
 OWNER = "beam"
-RESULT_KEY = "kvreuse_beams"
 _DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _OK = (FinishReason.STOP, FinishReason.LENGTH)
-
-
-@dataclass(slots=True)
-class BeamGroup:
-    """One beam search: its root request and the beams of the current step."""
-
-    root: Request
-    config: BeamConfig
-    beams: list[Beam]
-    results: dict[str, Row] = field(default_factory=dict)
-    completed: list[Any] = field(default_factory=list)
-    previous: list[str] = field(default_factory=list)
-    step: int = 0
-    prefill_stats: Any = None
-    num_forks: int = 0
-    num_copied_blocks: int = 0
-    # Prompt tokens the beams computed. Their outputs never reach the
-    # frontend, so vLLM's own prompt-token metrics do not see them.
-    num_member_computed_tokens: int = 0
-
-    @property
-    def prompt_len(self) -> int:
-        return self.root.num_prompt_tokens
-
-    @property
-    def beam_ids(self) -> list[str]:
-        """Requests whose KV the group may hold: last step's and this step's."""
-        return self.previous + [beam.request_id for beam in self.beams]
 
 
 class EngineBeamSearch(Feature):
@@ -118,12 +79,7 @@ class EngineBeamSearch(Feature):
             raise ValueError(
                 "sid_catalog beams need a server started with --sid-catalog"
             )
-        prompt = list(request.prompt_token_ids or [])
-        root_beam = Beam(
-            BeamSearchSequence(orig_prompt=None, tokens=prompt, logprobs=[]),
-            request.request_id,
-        )
-        group = BeamGroup(root=request, config=config, beams=[root_beam])
+        group = BeamGroup.start(request, config)
         self._groups[request.request_id] = group
         self._member_group[request.request_id] = group
 
@@ -152,7 +108,10 @@ class EngineBeamSearch(Feature):
     # -- steps -----------------------------------------------------------------
 
     def before_schedule(self) -> None:
-        self._parked = self._park_groups_that_do_not_fit()
+        if self._groups:
+            self._parked = park_steps_that_do_not_fit(
+                self.core.scheduler, self._groups, self._member_group
+            )
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         if self._parked:  # back at the head, in their order
@@ -199,41 +158,6 @@ class EngineBeamSearch(Feature):
             "parked_members": len(self._parked),
             "held_beam_blocks": self.core.ledger.num_blocks(OWNER),
         }
-
-    # -- group admission -------------------------------------------------------
-
-    def _park_groups_that_do_not_fit(self) -> list[Request]:
-        """Takes out of the queue, for this step, every waiting member of a
-        group whose step does not fit the free blocks as a whole.
-
-        A member inherits its parent's blocks and needs one new block (its
-        copy-on-write tail), so a step of ``k`` waiting members needs ``k``
-        free blocks. Admitting a step whole means no member holds blocks
-        while its siblings wait for them; groups are considered oldest first.
-        """
-        scheduler = self.core.scheduler
-        if not self._groups or not scheduler.waiting:
-            return []
-        waiting: dict[str, list[Request]] = {}  # root id -> waiting members
-        for request in scheduler.waiting:
-            group = self._member_group.get(request.request_id)
-            if group is not None and request.request_id != group.root.request_id:
-                waiting.setdefault(group.root.request_id, []).append(request)
-        if not waiting:
-            return []
-        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        parked: list[Request] = []
-        for root_id in self._groups:  # oldest first
-            members = waiting.get(root_id)
-            if not members:
-                continue
-            if len(members) <= free:
-                free -= len(members)
-            else:
-                parked += members
-        if parked:
-            scheduler.waiting.remove_requests(parked)
-        return parked
 
     # -- group steps -----------------------------------------------------------
 
@@ -305,33 +229,11 @@ class EngineBeamSearch(Feature):
         catalog_args: dict[str, int],
     ) -> str:
         """Adds the request of one beam of the next step; returns its id."""
-        root = group.root
-        assert root.sampling_params is not None
-        # Shallow: members only read their params, and a deep copy per beam
-        # per step was the largest cost of a step (as vLLM's own internal
-        # beam search, which sets skip_clone).
-        sampling = copy.copy(root.sampling_params)
-        sampling.extra_args = {PARENT: parent_id, **catalog_args}
-        request = Request(
-            request_id=f"{root.request_id}-beam{group.step}-{index}",
-            prompt_token_ids=list(tokens),
-            sampling_params=sampling,
-            pooling_params=None,
-            client_index=root.client_index,
-            lora_request=root.lora_request,
-            cache_salt=root.cache_salt,
-            priority=root.priority,
-        )
-        # Every beam starts with the root's prompt: reuse its full-block
-        # hashes and hash only the blocks past them (hashes chain, so the
-        # hasher continues from the last one).
         scheduler = self.core.scheduler
         hash_block_size = scheduler.cache_config.hash_block_size or self.core.block_size
-        request.block_hashes = root.block_hashes[
-            : root.num_prompt_tokens // hash_block_size
-        ]
-        request._block_hasher = root._block_hasher
-        request.update_block_hashes()
+        request = member_request(
+            group, tokens, parent_id, index, catalog_args, hash_block_size
+        )
         group.num_forks += 1
         group.num_copied_blocks += bool((len(tokens) - 1) % self.core.block_size)
         self._member_group[request.request_id] = group
@@ -356,26 +258,13 @@ class EngineBeamSearch(Feature):
         self,
         group: BeamGroup,
         finish_reason: FinishReason,
-        beams: list[Any] | None,
+        final: list[Any] | None,
         stop_reason: int | str | None = None,
     ) -> None:
-        """The root's one and only output to its client."""
-        result = None
-        if beams is not None:
-            result = {
-                RESULT_KEY: [
-                    {
-                        "token_ids": seq.tokens[group.prompt_len :],
-                        "cum_logprob": seq.cum_logprob,
-                        "finish_reason": seq.finish_reason or "length",
-                        "stop_reason": seq.stop_reason,
-                    }
-                    for seq in beams
-                ],
-                "forks": group.num_forks,
-                "copied_blocks": group.num_copied_blocks,
-                "member_computed_tokens": group.num_member_computed_tokens,
-            }
+        """The root's one and only output to its client: with ``final``
+        beams, their result in the stop reason; else the engine's answer."""
+        if final is not None:
+            stop_reason = beam_result.encode(group.result(final))
         self.core.emit(
             group.root.client_index,
             EngineCoreOutput(
@@ -383,7 +272,6 @@ class EngineBeamSearch(Feature):
                 new_token_ids=[],
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
-                kv_transfer_params=result,
                 prefill_stats=group.prefill_stats,
             ),
         )

@@ -25,8 +25,8 @@ from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
 from vllm_kvreuse.beam.catalog_setup import engine_catalog
-from vllm_kvreuse.beam.feature import RESULT_KEY
 from vllm_kvreuse.beam.policy import NODE_KEY, BeamConfig
+from vllm_kvreuse.beam.result import BeamOut, decode
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.metrics import count_beam_group
 from vllm_kvreuse.request_args import internal_args
@@ -143,16 +143,16 @@ def root_sampling_params(
     )
 
 
-def take_beams(final: RequestOutput) -> list[dict[str, Any]] | None:
-    """The engine's best beams from the root's final output, counted in
-    /metrics; None when the engine turned the search back (threshold, abort)."""
-    result = final.kv_transfer_params or {}
-    beams = result.get(RESULT_KEY)
-    if beams is not None:
-        count_beam_group(
-            result["forks"], result["copied_blocks"], result["member_computed_tokens"]
-        )
-    return beams
+def take_beams(final: RequestOutput) -> list[BeamOut] | None:
+    """The engine's best beams from the root's final output (its stop
+    reason, :mod:`.result`), counted in /metrics; None when the engine
+    turned the search back (threshold, abort, error)."""
+    outputs = final.outputs
+    result = decode(outputs[0].stop_reason) if outputs else None
+    if result is None:
+        return None
+    count_beam_group(result.forks, result.copied_blocks, result.member_computed_tokens)
+    return result.beams
 
 
 def beam_output(
@@ -165,7 +165,7 @@ def beam_output(
     eos = tokenizer.eos_token_id
     outputs = []
     for index, beam in enumerate(beams):
-        token_ids = beam["token_ids"]
+        token_ids = beam.token_ids
         shown = (
             token_ids[:-1]
             if token_ids and token_ids[-1] == eos and not params.ignore_eos
@@ -178,10 +178,10 @@ def beam_output(
                     shown, skip_special_tokens=params.skip_special_tokens
                 ),
                 token_ids=token_ids,
-                cumulative_logprob=beam["cum_logprob"],
+                cumulative_logprob=beam.cum_logprob,
                 logprobs=None,
-                finish_reason=beam["finish_reason"],
-                stop_reason=beam["stop_reason"],
+                finish_reason=beam.finish_reason,
+                stop_reason=beam.stop_reason,
             )
         )
     return RequestOutput(
@@ -258,18 +258,18 @@ def offline_beam_output(
         )
     sequences = []
     for beam in beams:
-        tokens = prompt_ids + beam["token_ids"]
+        tokens = prompt_ids + beam.token_ids
         sequences.append(
             BeamSearchSequence(
                 orig_prompt=prompt,
                 tokens=tokens,
                 logprobs=[],
-                cum_logprob=beam["cum_logprob"],
+                cum_logprob=beam.cum_logprob,
                 text=tokenizer.decode(
                     tokens, skip_special_tokens=params.skip_special_tokens
                 ),
-                finish_reason=beam["finish_reason"],
-                stop_reason=beam["stop_reason"],
+                finish_reason=beam.finish_reason,
+                stop_reason=beam.stop_reason,
             )
         )
     return BeamSearchOutput(sequences=sequences)

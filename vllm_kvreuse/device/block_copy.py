@@ -7,6 +7,13 @@ per layer, block-major. vllm-ascend's runner holds each layer as a tuple of
 tensors (``(k_cache, v_cache)``, each ``[num_blocks, block_size, H, D]``),
 which that helper cannot address. Each member of the tuple is itself a
 block-major tensor, so handing the helper the members is a complete copy.
+
+On CPU the helper's batched ``blocks[dst] = blocks[src]`` runs torch's
+element-wise ``index_put_``: measured here, 128 copies of 32 KiB blocks took
+30-75 ms, against 0.5 ms for one ``copy_`` (a memcpy) per block. A beam step
+copies one tail block per beam, so on CPU tensors whose dim 0 counts blocks
+(every CPU attention layout) the copies are done block by block; anything
+else goes to vLLM's helper.
 """
 
 from __future__ import annotations
@@ -49,6 +56,40 @@ def wrap_copy_kv_cache_blocks(
         num_blocks: int,
         kv_cache_block_copies: Sequence[Any],
     ) -> None:
-        original(layer_tensors(kv_caches), num_blocks, kv_cache_block_copies)
+        tensors = layer_tensors(kv_caches)
+        if kv_cache_block_copies:
+            tensors = copy_cpu_blocks(tensors, num_blocks, kv_cache_block_copies)
+        if tensors:
+            original(tensors, num_blocks, kv_cache_block_copies)
 
     return copy_kv_cache_blocks_inplace
+
+
+def copy_cpu_blocks(
+    tensors: list[torch.Tensor], num_blocks: int, copies: Sequence[Any]
+) -> list[torch.Tensor]:
+    """Applies ``copies`` (``(src, dst)`` scheduler block ids) to every CPU
+    tensor whose dim 0 counts blocks (``num_blocks`` times the kernel blocks
+    per block), one ``copy_`` per block; returns the tensors left undone.
+
+    The result equals the helper's: destinations are fresh copy-on-write
+    blocks, never a source of the same batch (checked; otherwise everything
+    goes to the helper, which reads every source before writing). Tensors
+    aliasing one another (cross-layer KV sharing) are copied once.
+    """
+    pairs = [(int(src), int(dst)) for src, dst in copies]
+    if {dst for _, dst in pairs} & {src for src, _ in pairs}:
+        return tensors
+    rest: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.shape[0] % num_blocks:
+            rest.append(tensor)
+            continue
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        blocks = tensor.unflatten(0, (num_blocks, tensor.shape[0] // num_blocks))
+        for src, dst in pairs:
+            blocks[dst].copy_(blocks[src])
+    return rest

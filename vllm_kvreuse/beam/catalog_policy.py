@@ -6,8 +6,9 @@ children with their true log-probs, plus the mask's sink and the sampled
 token. The step keeps each beam's legal candidates (its node's children; at
 a leaf, EOS unless the request ignores it), best ``2 * width`` first, ties
 to the lower token id, and applies :func:`~vllm_kvreuse.beam.policy.expand`.
-This is the rule of :mod:`.catalog_step` (tested against a brute-force
-search there), fed by sparse rows instead of full-vocabulary ones.
+This is the rule of the dense reference
+(:mod:`vllm_kvreuse.testing.catalog_reference`, tested against a
+brute-force search), fed by sparse rows instead of full-vocabulary ones.
 
 A beam with no legal candidate ends: at a leaf it completes as it is
 (finish reason "length": it holds a whole item); elsewhere it is dropped.

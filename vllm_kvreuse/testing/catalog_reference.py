@@ -1,4 +1,11 @@
-"""One beam-search step constrained to a SID catalog, free of scheduler state.
+"""Reference: one catalog-constrained beam step on full-vocabulary log-probs.
+
+Not on the serving path. The engine masks each catalog beam's logits in the
+worker (:mod:`vllm_kvreuse.beam.catalog_processor`) and steps on the sparse
+top-k rows that come back (:mod:`vllm_kvreuse.beam.catalog_policy`). This
+module states the same rule densely, on a ``[B, vocab]`` log-prob matrix;
+tests check it against a brute-force search and check the engine against
+it, and ``benchmarks/sid_catalog_micro.py`` times it.
 
 The rule is :func:`vllm_kvreuse.beam.policy.expand`'s, restricted to the
 catalog, with the mask applied *before* the top-k:

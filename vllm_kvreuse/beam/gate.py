@@ -1,0 +1,60 @@
+"""A group's step is admitted whole, or not at all.
+
+A member inherits its parent's blocks and needs one new block (its
+copy-on-write tail), so a step of ``k`` waiting members needs ``k`` free
+blocks. If a step's members were admitted one by one, some could hold
+blocks while their siblings wait for blocks that never come; the group
+would wait forever for its slowest member. So before each schedule every
+waiting member of a step that does not fit the free blocks as a whole is
+taken out of the queue for that step (oldest group first), and put back at
+the head after it. A step that admits nothing is memory pressure, which
+releases held beams, so this cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_kvreuse.beam.group import BeamGroup
+
+
+def park_steps_that_do_not_fit(
+    scheduler: Scheduler,
+    root_ids: Iterable[str],
+    member_group: Mapping[str, BeamGroup],
+) -> list[Request]:
+    """Removes from ``scheduler.waiting`` every waiting member of a group
+    whose step does not fit the free blocks; returns them, queue order.
+
+    ``root_ids``: the groups, oldest first; ``member_group``: live member
+    (and root) id -> its group. The caller must prepend the returned
+    requests to the queue once the step is scheduled.
+    """
+    if not scheduler.waiting:
+        return []
+    waiting: dict[str, list[Request]] = {}  # root id -> waiting members
+    for request in scheduler.waiting:
+        group = member_group.get(request.request_id)
+        if group is not None and request.request_id != group.root_id:
+            waiting.setdefault(group.root_id, []).append(request)
+    if not waiting:
+        return []
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    parked: list[Request] = []
+    for root_id in root_ids:  # oldest first
+        members = waiting.get(root_id)
+        if not members:
+            continue
+        if len(members) <= free:
+            free -= len(members)
+        else:
+            parked += members
+    if parked:
+        scheduler.waiting.remove_requests(parked)
+    return parked
