@@ -20,7 +20,13 @@ import pytest
 from tests.conftest import ROOT
 from vllm_kvreuse.testing.server import free_port, server_env
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    # It serves the 30-layer default model; through the interpreted V2
+    # runner that alone would cost most of CI's V2 budget. The V2 tier runs
+    # every endpoint and feature of these examples on the tiny model.
+    pytest.mark.v1_only("CI time: serves the 135M default model"),
+]
 
 START = "says that the answer contains X.\n"
 END = "Press Ctrl-C to stop."
