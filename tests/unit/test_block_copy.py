@@ -15,7 +15,7 @@ import torch
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
 from vllm_kvreuse.device.block_copy import copy_cpu_blocks
-from vllm_kvreuse.patches import PATCHES
+from vllm_kvreuse.patches import PATCHES, apply_for_runner
 from vllm_kvreuse.testing.ascend_layout import ascend_layer
 
 NUM_BLOCKS = 5
@@ -52,14 +52,16 @@ def test_vllms_helper_alone_fails_on_vllm_ascend_tuples() -> None:
 
 @pytest.mark.parametrize("with_connector", [True, False])
 @pytest.mark.parametrize("kernel_block_size", [None, 8])
-@pytest.mark.parametrize("module", [p.target.split(":")[0] for p in COPY_TARGETS])
+@pytest.mark.parametrize("patch", COPY_TARGETS, ids=lambda p: p.runner)
 def test_the_runners_block_copy_handles_vllm_ascend_tuples(
-    module: str, kernel_block_size: int | None, with_connector: bool
+    patch, kernel_block_size: int | None, with_connector: bool
 ) -> None:
     """Each binding vLLM's runners call copies both members of every layer's
     tuple: with a 2 MiB-aligned slice of a larger buffer (a KV connector is
     set) or a buffer of its own, and with split kernel blocks. Layers that
     share a cache (cross-layer sharing) are copied once."""
+    apply_for_runner(patch.runner)  # as a worker that builds this runner does
+    module = patch.target.split(":")[0]
     copy = importlib.import_module(module).copy_kv_cache_blocks_inplace
     layers = filled(
         [
@@ -98,6 +100,7 @@ def test_cpu_block_copies_equal_vllms_helper(kernel_splits: int) -> None:
     a layer aliasing another included. A batch whose destination is also a
     source goes to vLLM's helper, whose reads all precede its writes."""
     upstream = COPY_TARGETS[0].original()
+    apply_for_runner("v1")  # as a V1 worker does
     patched = importlib.import_module(
         "vllm.v1.worker.gpu_model_runner"
     ).copy_kv_cache_blocks_inplace
