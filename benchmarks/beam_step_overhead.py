@@ -25,8 +25,11 @@ timed alike); everything else is overhead:
 - ``sample``: the runner's ``sample_tokens`` less the model (sampler,
   top-k log-probs, output lists);
 - ``update``: ``Scheduler.update_from_output`` less the beam step
-  (finishing requests, routing outputs, spawning the next members);
-- ``beam``: the beam step (``EngineBeamSearch._advance``: ranking);
+  (finishing requests, routing outputs, reading log-prob rows);
+- ``spawn``: creating and queueing the next step's member requests
+  (``EngineBeamSearch._spawn``);
+- ``rank``: the rest of the beam step (``EngineBeamSearch._advance``:
+  ranking candidates, releasing held beams);
 - ``front``: the frontend's ``OutputProcessor.process_outputs``;
 - ``other``: the rest of the step.
 
@@ -55,7 +58,7 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-PARTS = ("sched", "prep", "sample", "update", "beam", "front", "other")
+PARTS = ("sched", "prep", "sample", "update", "spawn", "rank", "front", "other")
 
 
 def use_v2_runner() -> None:
@@ -137,7 +140,9 @@ class Timers:
         self.wrap(runner, "sample_tokens", "sample")
         self.wrap(model, "compute_logits", "logits")
         self.wrap(engine.output_processor, "process_outputs", "front")
-        self.wrap(scheduler.feature("beam"), "_advance", "beam")
+        beam = scheduler.feature("beam")
+        self.wrap(beam, "_advance", "rank")
+        self.wrap(beam, "_spawn", "spawn")
         schedule = scheduler.schedule
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:

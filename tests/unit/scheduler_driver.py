@@ -39,7 +39,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.conftest import BLOCK_SIZE
-from vllm_kvreuse.beam.result import decode as decode_beams
+from vllm_kvreuse.beam import result as beam_result
 from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
 from vllm_kvreuse.core.accounting import check_block_accounting
@@ -306,7 +306,7 @@ class Driver:
             return
         client.finals.append(out)
         # A beam group's result rides in its root's stop reason.
-        reason = "beam-result" if decode_beams(out.stop_reason) else out.stop_reason
+        reason = "beams" if beam_result.decode(out.stop_reason) else out.stop_reason
         self.seen[f"{client.kind} {out.finish_reason.name} {reason}"] += 1
 
     # -- invariants --------------------------------------------------------------

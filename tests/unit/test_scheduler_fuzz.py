@@ -66,7 +66,7 @@ EXERCISED = (
     "chunk replanned",  # a fill that failed before storing its chunk
     "upstream preemptions",
     "copy-on-write forks",  # beam members and children inheriting blocks
-    "beam STOP beam-result",
+    "beam STOP beams",
     "child LENGTH None",
     "chunked LENGTH None",
     "plain ABORT cache_threshold",

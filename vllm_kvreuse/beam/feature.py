@@ -177,6 +177,7 @@ class EngineBeamSearch(Feature):
             return True
         if is_root:
             group.prefill_stats = out.prefill_stats
+            group.kv_transfer_params = out.kv_transfer_params  # a connector's
         elif out.prefill_stats is not None:
             group.num_member_computed_tokens += out.prefill_stats.num_computed_tokens
         logprobs = out.new_logprobs
@@ -272,6 +273,7 @@ class EngineBeamSearch(Feature):
                 new_token_ids=[],
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
+                kv_transfer_params=group.kv_transfer_params,
                 prefill_stats=group.prefill_stats,
             ),
         )

@@ -36,6 +36,9 @@ class BeamGroup:
     previous: list[str] = field(default_factory=list)
     step: int = 0
     prefill_stats: Any = None
+    # What a KV connector returned with the root's prefill (P/D): passed on
+    # unchanged in the group's final output.
+    kv_transfer_params: dict[str, Any] | None = None
     num_forks: int = 0
     num_copied_blocks: int = 0
     # Prompt tokens the beams computed. Their outputs never reach the

@@ -6,7 +6,8 @@ a tagged JSON string (:data:`TAG`). The root is the plugin's own request
 it into the response vLLM's loop would have produced), so no client ever
 sees that stop reason, and nothing else writes it: a P/D connector writes
 ``kv_transfer_params``, which a root prefilled remotely legitimately
-carries, so the result must not ride there.
+carries (the group's final output passes the root's on unchanged), so the
+result must not ride there.
 
 A final output without the tag (a rejection, an abort, an error) is the
 engine's own answer and is passed on as it is.
