@@ -229,6 +229,15 @@ OPTIONS += (
         "'isolated': a chunk attends to itself only; 'system': chunks also see "
         "the system prompt (the first segment), whose hash joins their key.",
     ),
+    Option(
+        "chunk_recompute_fraction",
+        parse_fraction,
+        0.0,
+        "Share of a chunked prompt's chunk tokens, taken from the end of its "
+        "last chunk backwards, that is recomputed with full attention with the "
+        "question instead of loaded from the store (0: load every chunk; 1: "
+        "full attention).",
+    ),
 )
 OPTIONS += (
     Option(
@@ -259,6 +268,7 @@ class KVReuseConfig:
     chunk_cache_cpu_gib: float = 0.0
     chunk_cache_hash: str = ""
     chunk_attention: str = "isolated"
+    chunk_recompute_fraction: float = 0.0
     sid_catalog: str = ""
 
     @classmethod

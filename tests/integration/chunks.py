@@ -56,9 +56,14 @@ def generate(llm: LLM, segments: list[list[int]], max_tokens: int = 6) -> Reques
 
 @torch.no_grad()
 def hf_reference(
-    model: Any, segments: list[list[int]], steps: int, see_system: bool = False
+    model: Any,
+    segments: list[list[int]],
+    steps: int,
+    see_system: bool = False,
+    full_from: int | None = None,
 ) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and first-step log-probs, chunk-isolated, actual positions."""
+    """Greedy tokens and first-step log-probs, chunk-isolated, actual
+    positions; tokens from ``full_from`` on attend to everything before."""
     token_ids, lengths = chunked_prompt(segments)
     generated: list[int] = []
     first_logprobs = None
@@ -67,7 +72,7 @@ def hf_reference(
         total = ids.shape[1]
         logits = model(
             input_ids=ids,
-            attention_mask=chunk_attention_mask(lengths, total, see_system),
+            attention_mask=chunk_attention_mask(lengths, total, see_system, full_from),
             position_ids=torch.arange(total)[None],
         ).logits[0, -1]
         if first_logprobs is None:

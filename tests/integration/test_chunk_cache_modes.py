@@ -71,3 +71,26 @@ def test_chunks_demoted_to_the_cpu_tier_are_loaded_from_it(
         out = generate(llm, segments)
         assert list(out.outputs[0].token_ids) == expected
         assert index.stats.hit_tokens - hits == len(SYSTEM) + len(DOC_A)
+
+
+def test_a_recomputed_tail_matches_the_hf_reference(model_dir: str, hf_model) -> None:
+    """--chunk-recompute-fraction 0.25: the chunks' last quarter is prefilled
+    with the question (full attention), the rest loaded from the store."""
+    with chunk_cache_llm(model_dir, chunk_recompute_fraction=0.25) as llm:
+        free = num_free_blocks(llm)
+        generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION])  # stores every chunk
+        segments = [SYSTEM, DOC_B, DOC_A, QUESTION]
+        chunk_tokens = len(SYSTEM + DOC_B + DOC_A)
+        load_end = chunk_tokens - round(0.25 * chunk_tokens)  # inside DOC_A
+        assert len(SYSTEM + DOC_B) < load_end < chunk_tokens
+        expected, logprobs = hf_reference(hf_model, segments, 6, full_from=load_end)
+        out = generate(llm, segments)
+        assert list(out.outputs[0].token_ids) == expected
+        first = out.outputs[0].logprobs[0]
+        for token, entry in first.items():
+            assert abs(entry.logprob - float(logprobs[token])) < 1e-3
+        # Only [0, load_end) came from the store; the other order's blocks
+        # are hashed under other segment lengths, so no prefix-cache hit.
+        assert out.num_cached_tokens == load_end
+        assert index_of(llm).stats.hit_tokens == load_end
+        assert num_free_blocks(llm) == free

@@ -14,7 +14,11 @@ lengths of its chunks (every segment but the question). On arrival:
    (:func:`~.keys.chunked_salt`), so blocks holding chunk KV never match an
    ordinary request;
 4. vLLM then loads every chunk into the request's blocks (re-rotated) and
-   prefills only the question, once every chunk is stored.
+   prefills only the question, once every chunk is stored. With
+   ``--chunk-recompute-fraction`` the chunks' last tokens are not loaded
+   but prefilled with the question: vLLM computes a contiguous suffix
+   ``[num_computed, prompt)``, so a recomputed tail is the one shape of
+   partial recompute that needs no attention mask.
 
 If room cannot be reserved (a chunk larger than the store, or a store full
 of pinned chunks), the request runs as an ordinary request: never an error.
@@ -83,7 +87,8 @@ class ChunkCache(Feature):
             return
         _, fills, uncached = planned
         self._start_fills(request, fills)
-        self._rehash(request, chunked_salt(request.cache_salt, self.side.mode, lengths))
+        salt = chunked_salt(request.cache_salt, self.side.attention, lengths)
+        self._rehash(request, salt)
         if uncached:
             self._uncached[request.request_id] = uncached
 

@@ -30,16 +30,25 @@ class ChunkPlan:
 
     ``pinned``: the plan holds one pin on each chunk's store entry, from
     planning until the request's load is built (or it finishes).
+    ``recompute``: the chunks' last tokens that are not loaded but prefilled
+    with the question, with full attention (``--chunk-recompute-fraction``);
+    loads cover ``[0, load_end)`` only.
     """
 
     chunks: list[PlannedChunk]
     user_salt: str | None = None  # the request's own cache_salt
     pinned: bool = True
+    recompute: int = 0
 
     @property
     def end(self) -> int:
         last = self.chunks[-1]
         return last.start + last.length
+
+    @property
+    def load_end(self) -> int:
+        """First position vLLM prefills itself (the question's, or earlier)."""
+        return self.end - self.recompute
 
 
 @dataclass(frozen=True, slots=True)

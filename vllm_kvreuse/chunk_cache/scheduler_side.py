@@ -52,6 +52,7 @@ class ChunkScheduler:
         settings = KVReuseConfig.from_vllm_config(vllm_config)
         self.block_size = block_size
         self.mode = settings.chunk_attention
+        self.recompute_fraction = settings.chunk_recompute_fraction
         self._hasher = key_hasher(vllm_config, settings.chunk_cache_hash)
         self._identity = model_identity(vllm_config, self.mode)
         kv_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
@@ -69,6 +70,14 @@ class ChunkScheduler:
         self._kv_cache_manager: KVCacheManager | None = None
         self._admin_pins: set[bytes] = set()
         self._reported: dict[str, int] = {}
+
+    @property
+    def attention(self) -> str:
+        """What a chunked request's blocks hold, for their cache salt: the
+        mode, and the recomputed share when there is one."""
+        if not self.recompute_fraction:
+            return self.mode
+        return f"{self.mode}+recompute{self.recompute_fraction!r}"
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -95,8 +104,9 @@ class ChunkScheduler:
             key = chunk_key(self._hasher, self._identity, salt, context, tokens)
             chunks.append(PlannedChunk(key, start, length, virtual_start=len(context)))
             start += length
+        recompute = round(self.recompute_fraction * start)
         stored = [
-            chunk.length
+            _overlap(chunk, start - recompute)
             for chunk in chunks
             if (entry := self.index.get(chunk.key)) is not None and entry.ready
         ]
@@ -109,9 +119,9 @@ class ChunkScheduler:
         stats.hit_tokens += sum(stored)
         stats.misses += len(fills)
         stats.miss_tokens += sum(fill.length for fill in fills)
-        plan = ChunkPlan(chunks, user_salt=request.cache_salt)
+        plan = ChunkPlan(chunks, user_salt=request.cache_salt, recompute=recompute)
         self.plans[request.request_id] = plan
-        return plan, fills, plan.end - sum(stored)
+        return plan, fills, plan.load_end - sum(stored)
 
     def hold_chunks(
         self, prompt: list[int], chunks: list[PlannedChunk]
@@ -200,12 +210,13 @@ class ChunkScheduler:
         )
 
     def stored_tokens_past(self, request_id: str, num_local: int) -> int | None:
-        """Tokens of stored chunks past ``num_local``; None without a plan."""
+        """Tokens of stored chunks past ``num_local`` that the request loads
+        (before its recomputed tail); None without a plan."""
         plan = self.plans.get(request_id)
         if plan is None:
             return None
         return sum(
-            chunk.length - max(0, min(chunk.length, num_local - chunk.start))
+            max(0, _overlap(chunk, plan.load_end) - _overlap(chunk, num_local))
             for chunk in plan.chunks
             if (entry := self.index.get(chunk.key)) is not None and entry.ready
         )
@@ -216,18 +227,18 @@ class ChunkScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         plan = self.plans.get(request.request_id)
-        if plan is None or num_computed_tokens >= plan.end:
+        if plan is None or num_computed_tokens >= plan.load_end:
             return 0, False
         if not self.is_ready(plan):
             return None, False  # a fill is still running: wait, holding nothing
-        return plan.end - num_computed_tokens, False
+        return plan.load_end - num_computed_tokens, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         plan = self.plans.get(request.request_id)
         if plan is not None and num_external_tokens:
-            self._loads[request.request_id] = plan.end - num_external_tokens
+            self._loads[request.request_id] = plan.load_end - num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkMeta:
         meta = ChunkMeta()
@@ -357,19 +368,25 @@ class ChunkScheduler:
         return list(self._kv_cache_manager.get_block_ids(request_id)[0])
 
 
+def _overlap(chunk: PlannedChunk, end: int) -> int:
+    """How many of ``chunk``'s tokens stand before position ``end``."""
+    return max(0, min(chunk.length, end - chunk.start))
+
+
 def _pieces(plan: ChunkPlan, start: int) -> list[Piece]:
-    """The parts of ``plan``'s chunks at positions ``start`` and later."""
+    """The parts of ``plan``'s chunks in ``[start, plan.load_end)``."""
     pieces = []
     for chunk in plan.chunks:
-        skip = max(0, start - chunk.start)
-        if skip >= chunk.length:
+        skip = _overlap(chunk, start)
+        count = _overlap(chunk, plan.load_end) - skip
+        if count <= 0:
             continue
         pieces.append(
             Piece(
                 key=chunk.key,
                 src_start=skip,
                 dst_start=chunk.start + skip,
-                count=chunk.length - skip,
+                count=count,
                 delta=chunk.start - chunk.virtual_start,
             )
         )

@@ -11,16 +11,21 @@ import torch
 
 
 def chunk_attention_mask(
-    lengths: list[int], total: int, see_system: bool = False
+    lengths: list[int],
+    total: int,
+    see_system: bool = False,
+    full_from: int | None = None,
 ) -> torch.Tensor:
     """Additive ``[1, 1, total, total]`` float32 mask for a chunked prompt.
 
     ``lengths`` are the chunks' token counts, laid end to end from position
     0. A chunk's tokens attend only to earlier tokens of the same chunk (and,
     with ``see_system``, to the first chunk, the system prompt); every token
-    past the chunks attends causally to everything before it.
+    past the chunks attends causally to everything before it, and so does
+    every token from ``full_from`` on (a recomputed tail of the chunks).
     """
-    allowed = torch.tril(torch.ones(total, total, dtype=torch.bool))
+    causal = torch.tril(torch.ones(total, total, dtype=torch.bool))
+    allowed = causal.clone()
     start = 0
     for number, length in enumerate(lengths):
         end = start + length
@@ -28,6 +33,8 @@ def chunk_attention_mask(
         if see_system and number:
             allowed[start:end, : lengths[0]] = True
         start = end
+    if full_from is not None:
+        allowed[full_from:] = causal[full_from:]
     mask = torch.zeros(total, total)
     mask[~allowed] = torch.finfo(torch.float32).min
     return mask[None, None]
