@@ -43,3 +43,12 @@ def _plugin_loaded() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--scaleout-args",
+        default="",
+        help="vllm serve topology flags for tests/e2e/test_scaleout_server.py "
+        "(default: --data-parallel-size 2 --api-server-count 2)",
+    )

@@ -124,10 +124,10 @@ def carry_to_namespace(args: argparse.Namespace, engine_args: Any) -> None:
     vLLM's own fields, the settings travel as a user's ``--additional-config``
     would. Idempotent: folding the namespace again gives the same values.
     """
+    namespace = vars(args)
     for name in CARRIED_FIELDS:
-        value = getattr(engine_args, name, None)
-        if hasattr(args, name) and getattr(args, name) is not value:
-            setattr(args, name, value)
+        if name in namespace:
+            namespace[name] = getattr(engine_args, name)
 
 
 def wrap_engine_args_init(original: Callable[..., Any]) -> Callable[..., Any]:
