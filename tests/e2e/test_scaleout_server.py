@@ -189,3 +189,21 @@ def test_engine_beam_search_catalog_threshold_chunks_on_each_process(conns) -> N
         )
     )
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+
+
+def test_chunked_parent_across_processes(conns) -> None:
+    """The chunk cache rehashes a chunked request under a salt of its own;
+    the engine's record still answers to the client's salt (none here)."""
+    a, b = conns
+    rag = "##".join(["System words. " * 8, "A document here. " * 12, "Q?"])
+    parent = ok(a.post(
+        "/v1/completions",
+        {"model": SERVED_MODEL, "prompt": rag, "max_tokens": 4,
+         "temperature": 0.0, "retain_kv": True},
+    ))  # fmt: skip
+    child = ok(b.post(
+        "/v1/completions",
+        {"model": SERVED_MODEL, "continuation_of": parent["id"],
+         "continuation_suffix_token_ids": [5], "max_tokens": 2},
+    ))  # fmt: skip
+    assert cached(child) > 0

@@ -62,7 +62,8 @@ class Continuation(Feature):
 
     def on_add(self, request: Request) -> None:
         if self.records is not None:
-            self.records.started(request)
+            salt = self.core.client_salts.get(request.request_id, request.cache_salt)
+            self.records.started(request, salt)
 
     def on_finish(self, request: Request) -> None:
         if self.records is not None:

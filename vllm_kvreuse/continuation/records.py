@@ -81,9 +81,11 @@ class FinishedRecords:
         self._running: dict[str, tuple[str, str | None]] = {}
         self._finished: OrderedDict[str, FinishedRecord] = OrderedDict()
 
-    def started(self, request: Request) -> None:
+    def started(self, request: Request, cache_salt: str | None) -> None:
+        """``cache_salt``: the client's (the chunk cache rehashes a chunked
+        request under a salt of its own)."""
         key = client_key(request.request_id)
-        self._running[key] = (request.request_id, request.cache_salt)
+        self._running[key] = (request.request_id, cache_salt)
 
     def finished(self, request: Request) -> None:
         key = client_key(request.request_id)
@@ -102,7 +104,7 @@ class FinishedRecords:
             engine_request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids or [],
             output_token_ids=list(request.output_token_ids),
-            cache_salt=request.cache_salt,
+            cache_salt=running[1],
             lora_name=lora.lora_name if lora is not None else None,
             chunk_lengths=extra.get("kvreuse_chunks"),
             expires_at=time.monotonic() + ttl,
