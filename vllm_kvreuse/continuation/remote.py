@@ -31,6 +31,9 @@ from vllm_kvreuse.continuation.registry import (
 )
 from vllm_kvreuse.request_args import PARENT
 
+MAX_ID_LENGTH = 512
+"""Longer ``continuation_of`` values are not sent to the engines."""
+
 POLL_SECONDS = (0.005, 0.02, 0.05, 0.1)
 """Waits between asks while the parent is still running elsewhere."""
 
@@ -61,6 +64,8 @@ async def find_remote(
 ) -> ParentRecord:
     """The parent's record from the engine core that ran it, waiting up to
     ``timeout`` while it runs; ``ParentNotFound`` otherwise."""
+    if len(response_id) > MAX_ID_LENGTH:
+        raise ParentNotFound(response_id[:64])  # no id of ours is that long
     engine_core = engine.engine_core
     keys = client_keys(response_id, choice)
     deadline = time.monotonic() + timeout
