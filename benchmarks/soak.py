@@ -9,6 +9,8 @@ The summary (markdown) replaces the results section of `--out`.
 
     .venv/bin/python benchmarks/soak.py                       # 10 minutes
     .venv/bin/python benchmarks/soak.py --duration 120 --out /tmp/soak.md
+    .venv/bin/python benchmarks/soak.py --duration 180 --out /tmp/soak-dp.md \
+        --topology "--api-server-count 2 --data-parallel-size 2"
 
 Exit status 1 when the run broke an expectation the e2e test asserts
 (`tests/e2e/test_soak.py`): any 5xx or timeout, a request not answered as
@@ -71,6 +73,11 @@ def parse_args() -> argparse.Namespace:
         help=f"kinds ({', '.join(WEIGHTS)}) or malformed bodies "
         f"({', '.join(MALFORMED)}) to leave out of the mix",
     )  # fmt: skip
+    parser.add_argument(
+        "--topology", default="", metavar="FLAGS",
+        help="vllm serve flags added to the soak server's, e.g. "
+        "'--api-server-count 2 --data-parallel-size 2'",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("docs/soak.md"))
     parser.add_argument("--log", type=Path, default=None, help="server log path")
     return parser.parse_args()
@@ -86,10 +93,11 @@ def main() -> int:
         request_timeout=args.request_timeout, sample_interval=args.sample_interval,
         weights={k: w for k, w in WEIGHTS.items() if k not in args.without},
         malformed=tuple(name for name in MALFORMED if name not in args.without),
+        topology=tuple(shlex.split(args.topology)),
     )  # fmt: skip
     log = args.log or Path(tempfile.mkdtemp()) / "vllm-serve.log"
     print(f"server log: {log}", flush=True)
-    with start_server(args.model, log) as server:
+    with start_server(args.model, log, config.topology) as server:
         result = asyncio.run(run_soak(server, config))
     summary = summarize(result, log)
     command = shlex.join(["python", "benchmarks/soak.py", *sys.argv[1:]])

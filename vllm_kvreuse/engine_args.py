@@ -112,9 +112,33 @@ def wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         attach_chunk_connector(engine_args)
         attach_catalog_processor(engine_args)
+        carry_to_namespace(args, engine_args)
         return engine_args
 
     return from_cli_args
+
+
+CARRIED_FIELDS = ("additional_config", "kv_transfer_config", "logits_processors")
+"""``EngineArgs`` fields the plugin may set from its flags; each is also a
+``vllm serve`` argument, so the parsed namespace has an attribute of the same
+name that upstream's ``from_cli_args`` copies."""
+
+
+def carry_to_namespace(args: argparse.Namespace, engine_args: Any) -> None:
+    """Writes what the plugin folded into ``engine_args`` back onto ``args``.
+
+    Why: ``vllm serve --api-server-count N`` (and ``--data-parallel-size N``,
+    which defaults N API servers) spawns each API-server process with this
+    namespace, and there ``AsyncEngineArgs.from_cli_args(args)`` runs before
+    any general plugin is loaded (``EngineArgs.__post_init__`` loads them),
+    so the unpatched original would drop the plugin's flags. Written onto
+    vLLM's own fields, the settings travel as a user's ``--additional-config``
+    would. Idempotent: folding the namespace again gives the same values.
+    """
+    namespace = vars(args)
+    for name in CARRIED_FIELDS:
+        if name in namespace:
+            namespace[name] = getattr(engine_args, name)
 
 
 def wrap_engine_args_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -142,9 +142,13 @@ def check_strict_bools(data: Any) -> Any:
 
 
 def mark_catalog(request: Any, params: Any) -> Any:
-    """Carries the body's ``sid_catalog`` into the ``BeamSearchParams``."""
+    """Carries the body's ``sid_catalog``, and the parent a continuation
+    resolved to, into the ``BeamSearchParams``."""
     if (request.model_extra or {}).get(SID_CATALOG):
         beam_frontend.mark_catalog_params(params)
+    parent = (getattr(request, "vllm_xargs", None) or {}).get(request_args.PARENT)
+    if parent is not None:
+        beam_frontend.mark_parent_params(params, parent)
     return params
 
 

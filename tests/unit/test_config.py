@@ -138,3 +138,53 @@ def test_bad_chunk_cache_flag_is_a_usage_error(flag: str, bad: str, capsys) -> N
         _parse([flag, bad])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def _fold_in_fresh_process(args) -> dict:
+    """What a spawned API-server process does first: upstream's from_cli_args
+    on the namespace it was given, before any plugin is loaded."""
+    from vllm.engine.arg_utils import AsyncEngineArgs as Args
+
+    from vllm_kvreuse.patches import is_patched
+
+    unpatched = not is_patched(Args.from_cli_args.__func__)
+    engine_args = Args.from_cli_args(args)
+    return {
+        "unpatched": unpatched,
+        "kvreuse": engine_args.additional_config.get(ADDITIONAL_CONFIG_KEY),
+        "connector": getattr(engine_args.kv_transfer_config, "kv_connector", None),
+        "processors": engine_args.logits_processors,
+    }
+
+
+def test_settings_reach_a_spawned_api_server_process(tmp_path) -> None:
+    """``--api-server-count N`` spawns API servers with the parsed namespace;
+    there upstream's from_cli_args runs before plugins load (issue 22: every
+    parent was refused with 400). The folded settings must ride on vLLM's own
+    fields of the namespace."""
+    import multiprocessing
+
+    catalog = tmp_path / "catalog.txt"
+    catalog.write_text("<a_1><b_2><c_3>\n")
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["--model", "m", "--enable-continuation", "--enable-chunk-cache",
+         "--engine-beam-search", "--sid-catalog", str(catalog),
+         "--logprobs-mode", "processed_logprobs",
+         "--global-cache-hit-threshold", "0.5"]
+    )  # fmt: skip
+    AsyncEngineArgs.from_cli_args(args)  # the launcher's own call
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        seen = pool.apply(_fold_in_fresh_process, (args,))
+    assert seen["unpatched"], "the child must run upstream's from_cli_args"
+    assert seen["kvreuse"] == {
+        "enable_continuation": True,
+        "enable_chunk_cache": True,
+        "engine_beam_search": True,
+        "sid_catalog": str(catalog),
+        "global_cache_hit_threshold": 0.5,
+    }
+    assert seen["connector"] == "KVReuseChunkConnector"
+    assert seen["processors"] == [
+        "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessor"
+    ]

@@ -202,3 +202,27 @@ def test_diverging_tail_is_not_extended(make_scheduler) -> None:
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"other": len(other) - 96}
     assert not output.kv_cache_block_copies
+
+
+def test_engine_records_answer_other_api_servers(make_scheduler) -> None:
+    """With several API servers the engine keeps what a child needs, keyed by
+    the id the client knows, behind the client's cache_salt."""
+    from vllm_kvreuse.continuation.records import RUNNING, FinishedRecords
+    from vllm_kvreuse.continuation.remote import client_keys
+
+    scheduler = make_scheduler()
+    feature = scheduler.feature("continuation")
+    feature.records = FinishedRecords(default_ttl=60.0)  # as with 2 API servers
+    parent = make_request(
+        "cmpl-7-0-abcd1234", PROMPT, max_tokens=len(OUTPUT), retain_kv=True,
+        cache_salt="tenant-a",
+    )  # fmt: skip
+    scheduler.add_request(parent)
+    assert feature.records.find(client_keys("cmpl-7", 0), "tenant-a") == RUNNING
+    run_to_completion(scheduler)
+    answer = feature.records.find(client_keys("cmpl-7", 0), "tenant-a")
+    assert answer["engine_request_id"] == "cmpl-7-0-abcd1234"
+    assert answer["prompt_token_ids"] + answer["output_token_ids"] == PROMPT + OUTPUT
+    assert feature.records.find(client_keys("cmpl-7", 0), None) is None
+    assert feature.records.find(client_keys("cmpl-7", 1), "tenant-a") is None
+    scheduler.reset_prefix_cache()

@@ -29,7 +29,7 @@ from vllm_kvreuse.beam.policy import NODE_KEY, BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.metrics import count_beam_group
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.request_args import PARENT, internal_args
 
 
 def check_fits_pool(
@@ -73,6 +73,17 @@ def catalog_beam_params(**kwargs: Any) -> BeamSearchParams:
 def mark_catalog_params(params: BeamSearchParams) -> BeamSearchParams:
     # BeamSearchParams is a msgspec struct with a __dict__: it takes the mark.
     params.kvreuse_sid_catalog = True  # type: ignore[attr-defined]
+    return params
+
+
+PARENT_ATTR = PARENT
+"""Attribute of a ``BeamSearchParams`` naming the engine request a
+continuation's beam search continues: the root inherits its blocks by name,
+and is routed to its DP rank."""
+
+
+def mark_parent_params(params: BeamSearchParams, parent: str) -> BeamSearchParams:
+    params.kvreuse_parent = parent  # type: ignore[attr-defined]
     return params
 
 
@@ -133,6 +144,8 @@ def root_sampling_params(
     internal = {"kvreuse_beam": config.to_dict()}
     if catalog:
         internal[NODE_KEY] = 0
+    if (parent := getattr(params, PARENT_ATTR, None)) is not None:
+        internal[PARENT] = parent
     return SamplingParams(
         logprobs=2 * params.beam_width + catalog,
         max_tokens=1,

@@ -38,10 +38,13 @@ class ChunkRef(BaseModel):
 
 
 async def _call(request: Request, action: str, ref: ChunkRef | None = None) -> Any:
-    engine = request.app.state.kvreuse_engine_client
+    """Calls every engine core (each DP rank has its own store); with one,
+    its answer, with several ``{"data_parallel_ranks": [answer per rank]}``."""
+    engine_core = request.app.state.kvreuse_engine_client.engine_core
     args = (ref.token_ids, ref.system_token_ids, ref.cache_salt) if ref else ()
     try:
-        result = await engine.engine_core.call_utility_async(UTILITY, action, *args)
+        results = await engine_core.call_utility_all_async(UTILITY, action, *args)
+        result = results[0] if len(results) == 1 else {"data_parallel_ranks": results}
     except Exception as e:  # the engine's ValueError comes back as an error
         return JSONResponse(
             {"error": {"message": str(e), "type": "BadRequestError", "code": 400}},

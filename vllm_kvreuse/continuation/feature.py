@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.continuation import params
+from vllm_kvreuse.continuation.records import FinishedRecords
 from vllm_kvreuse.core.feature import Feature
 
 if TYPE_CHECKING:
@@ -48,8 +49,25 @@ class Continuation(Feature):
         self.default_ttl = config.retain_kv_ttl
         num_usable_blocks = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
         self.max_blocks = int(config.retain_kv_max_fraction * (num_usable_blocks - 1))
+        # Children may reach another API-server process than their parent:
+        # keep what they need here, where every API server can ask for it.
+        parallel = core.scheduler.vllm_config.parallel_config
+        self.records = (
+            FinishedRecords(self.default_ttl)
+            if getattr(parallel, "_api_process_count", 1) > 1
+            else None
+        )
 
     # -- hooks -----------------------------------------------------------------
+
+    def on_add(self, request: Request) -> None:
+        if self.records is not None:
+            salt = self.core.client_salts.get(request.request_id, request.cache_salt)
+            self.records.started(request, salt)
+
+    def on_finish(self, request: Request) -> None:
+        if self.records is not None:
+            self.records.finished(request)
 
     def before_free_blocks(self, request: Request) -> None:
         sampling = request.sampling_params

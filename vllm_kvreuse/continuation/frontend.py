@@ -24,7 +24,7 @@ from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.continuation import params
+from vllm_kvreuse.continuation import params, remote
 from vllm_kvreuse.continuation.engine import RELEASE_EXPIRED
 from vllm_kvreuse.continuation.registry import (
     ParentNotFound,
@@ -61,10 +61,13 @@ def wrap_engine_client_init(original: Callable[..., Any]) -> Callable[..., Any]:
             return
         engine_core = self.engine_core
         release = getattr(engine_core, "call_utility_async", None)
-        self.output_processor.kvreuse_parents = ParentRegistry(
+        registry = ParentRegistry(
             release_expired=(lambda: release(RELEASE_EXPIRED)) if release else None,
             default_ttl=config.retain_kv_ttl,
         )
+        self.output_processor.kvreuse_parents = registry
+        # The DP load balancer records ranks in it and routes children by it.
+        engine_core.kvreuse_parents = registry
 
     return __init__
 
@@ -216,9 +219,18 @@ async def resolve_http(
             f"{CONTINUATION_OF} needs a server started with --enable-continuation"
         )
     config = KVReuseConfig.from_vllm_config(engine.vllm_config)
-    record = registry.find_response(
-        parent_id, _choice(body), request.cache_salt, config.retain_kv_ttl
-    )
+    choice = _choice(body)
+    try:
+        record = registry.find_response(
+            parent_id, choice, request.cache_salt, config.retain_kv_ttl
+        )
+    except ParentNotFound:
+        if not remote.is_multi_process(engine.vllm_config):
+            raise
+        record = await remote.find_remote(
+            engine, registry, parent_id, choice, request.cache_salt,
+            config.continuation_wait_timeout,
+        )  # fmt: skip
     await registry.wait(record, config.continuation_wait_timeout)
     lora = serving._maybe_get_adapters(request)
     if (lora.lora_name if lora else None) != record.lora_name:
@@ -239,8 +251,8 @@ def error_response(serving: Any, error: Exception) -> Any:
         count_continuation("not_found", 0)
         return serving.create_error_response(
             f"no retained or recent request with id {error.args[0]!r} "
-            "(unknown, expired, aborted, served by another API-server process, "
-            "or not visible to this cache_salt)",
+            "(unknown, expired, aborted, ended on a stop string in another "
+            "API-server process, or not visible to this cache_salt)",
             err_type="NotFoundError",
             status_code=HTTPStatus.NOT_FOUND,
             param=CONTINUATION_OF,

@@ -11,8 +11,11 @@ and never tokens the client did not see.
 
 Records are bounded in number (oldest dropped first) and in time (a parent
 is forgotten when its retention, or the default TTL, runs out). With several
-API-server processes each has its own registry: a child must reach the
-process that served its parent.
+API-server processes each has its own registry; a child whose parent another
+process served is resolved through the engine cores
+(:mod:`vllm_kvreuse.continuation.remote`), and the record it gets is kept
+here too. With data parallelism each record also knows the DP rank its
+request was routed to, so that a child goes to the rank holding the blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class ParentRecord:
     chunk_lengths: list[int] | None = None
     """A chunked parent's chunk lengths: its children are chunked the same way."""
     output_token_ids: list[int] | None = None
+    dp_rank: int | None = None
+    """The DP rank (engine index) the request ran on; None without DP."""
     finish_reason: str | None = None
     finished_at: float | None = None
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
@@ -90,6 +95,7 @@ class ParentRegistry:
     ) -> None:
         self.max_records = max_records
         self._records: OrderedDict[tuple[str, int], ParentRecord] = OrderedDict()
+        self._by_engine_id: dict[str, ParentRecord] = {}
         self.release_expired = release_expired
         self.default_ttl = default_ttl
 
@@ -115,10 +121,26 @@ class ParentRegistry:
 
     def started(self, record: ParentRecord) -> None:
         key = (record.external_id, record.choice)
-        self._records.pop(key, None)
+        self._forget(self._records.pop(key, None))
         self._records[key] = record
+        self._by_engine_id[record.engine_request_id] = record
         while len(self._records) > self.max_records:
-            self._records.popitem(last=False)
+            self._forget(self._records.popitem(last=False)[1])
+
+    def _forget(self, record: ParentRecord | None) -> None:
+        if record is not None:
+            self._by_engine_id.pop(record.engine_request_id, None)
+
+    def routed(self, engine_request_id: str, dp_rank: int) -> None:
+        """The DP load balancer sent ``engine_request_id`` to ``dp_rank``."""
+        record = self._by_engine_id.get(engine_request_id)
+        if record is not None:
+            record.dp_rank = dp_rank
+
+    def rank_of(self, engine_request_id: str) -> int | None:
+        """The DP rank a recorded request ran on (None if unknown)."""
+        record = self._by_engine_id.get(engine_request_id)
+        return record.dp_rank if record is not None else None
 
     def finished(
         self, record: ParentRecord, output_token_ids: list[int], finish_reason: str
@@ -128,7 +150,7 @@ class ParentRegistry:
         record.finish_reason = finish_reason
         record.finished_at = time.monotonic()
         if finish_reason == "abort":
-            self._records.pop((record.external_id, record.choice), None)
+            self._forget(self._records.pop((record.external_id, record.choice), None))
         for waiter in record.waiters:
             waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
         record.waiters.clear()

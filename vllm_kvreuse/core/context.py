@@ -45,6 +45,11 @@ class Core:
         self.internal = InternalRequests(scheduler.add_upstream)
         self._emitted: list[tuple[int, EngineCoreOutput]] = []
         self._failed: dict[str, str] = {}
+        self.client_salts: dict[str, str | None] = {}
+        """The cache_salt each live client request arrived with. A feature
+        may rehash a request under a salt of its own (the chunk cache does);
+        tenant checks compare the client's (set before ``on_add``, dropped
+        after ``on_finish``)."""
         self._aborts: set[str] = set()
 
     @property

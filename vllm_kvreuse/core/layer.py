@@ -71,6 +71,7 @@ class KVReuseLayer(Scheduler):
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:  # else a streaming update
+            self.kvreuse.client_salts[request.request_id] = request.cache_salt
             self._each_for(request, "on_add")
         super().add_request(request)
         self.kvreuse.settle()
@@ -92,6 +93,7 @@ class KVReuseLayer(Scheduler):
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         self._each_for(request, "on_finish")
+        self.kvreuse.client_salts.pop(request.request_id, None)
         self.kvreuse.internal.retire(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 

@@ -72,6 +72,36 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM schedules timed work in the engine core.",
     ),
     Patch(
+        target="vllm.v1.engine.core:EngineCore.kvreuse_find_parent",
+        wrapper="vllm_kvreuse.continuation.engine:make_find_parent_utility",
+        kind="new",
+        signatures={V0_32_0: ABSENT},
+        why="With several API-server processes a child may reach one that did "
+        "not serve its parent; only the engine core that ran the parent knows "
+        "its tokens (and holds its blocks).",
+        how="Adds an engine-core utility answering a look-up by client request "
+        "id and cache_salt from the engine's records of finished requests; "
+        "API servers call it on every engine (call_utility_all_async).",
+        remove_when="vLLM keeps finished requests' tokens addressable by id "
+        "across API servers.",
+    ),
+    Patch(
+        target="vllm.v1.engine.core_client:"
+        "DPLBAsyncMPClient.get_core_engine_for_request",
+        wrapper="vllm_kvreuse.continuation.remote:wrap_get_core_engine_for_request",
+        kind="function",
+        signatures={
+            V0_32_0: "(self, request: vllm.v1.engine.EngineCoreRequest) -> bytes"
+        },
+        why="With data parallelism the load balancer picks an engine per "
+        "request by queue length, so a child would be sent blind to any rank, "
+        "while its parent's retained blocks are on one.",
+        how="A request that names a parent (kvreuse_parent) gets the parent's "
+        "rank as its data_parallel_rank (vLLM's own routing field) before the "
+        "original picks; the rank each request went to is recorded.",
+        remove_when="vLLM routes a request by a KV-affinity hint.",
+    ),
+    Patch(
         target="vllm.v1.engine.core:EngineCore.kvreuse_chunk_cache",
         wrapper="vllm_kvreuse.chunk_cache.engine:make_chunk_cache_utility",
         kind="new",

@@ -115,6 +115,7 @@ class Server:
         block_size: int = 32,
         env: dict[str, str] | None = None,
         settings: ServerSettings | None = None,
+        ready_timeout: float = 300,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -134,7 +135,7 @@ class Server:
             stderr=subprocess.STDOUT,
             env={**server_env(), **(env or {})},
         )
-        self._wait_ready(timeout=300)
+        self._wait_ready(timeout=ready_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -51,6 +51,8 @@ class SoakConfig:
     drain_timeout: float = 30.0
     weights: dict[str, float] | None = None  # None: mix.WEIGHTS
     malformed: tuple[str, ...] | None = None  # names of MALFORMED; None: all
+    topology: tuple[str, ...] = ()
+    """Flags added to :data:`SERVER_ARGS`, e.g. ``--data-parallel-size 2``."""
 
 
 @dataclass(slots=True)
@@ -75,9 +77,14 @@ class SoakResult:
     alive: bool = True  # the server process was still running at the end
 
 
-def start_server(model_dir: str, log_path: Path) -> Server:
-    """``vllm serve`` with :data:`SERVER_ARGS` on a free loopback port."""
-    return Server(model_dir, *SERVER_ARGS, log_path=log_path)
+def start_server(
+    model_dir: str, log_path: Path, topology: tuple[str, ...] = ()
+) -> Server:
+    """``vllm serve`` with :data:`SERVER_ARGS` and ``topology`` on a free
+    loopback port (several processes start slowly on a small machine)."""
+    return Server(
+        model_dir, *SERVER_ARGS, *topology, log_path=log_path, ready_timeout=900
+    )
 
 
 async def run_soak(server: Server, config: SoakConfig) -> SoakResult:
@@ -122,7 +129,8 @@ async def run_soak(server: Server, config: SoakConfig) -> SoakResult:
             probes = await send_probes(mix, config.seed)
             after = await wait_until_empty(sampler, probe_client, 10.0)
     return SoakResult(
-        config=config, server_args=SERVER_ARGS, records=mix.records[:],
+        config=config, server_args=SERVER_ARGS + config.topology,
+        records=mix.records[:],
         samples=sampler.samples, load_seconds=load_seconds, drain=drain,
         probes=probes, after_probes=after, alive=server.process.poll() is None,
     )  # fmt: skip

@@ -1,0 +1,132 @@
+"""Engine-side records of finished requests, for children that reach another
+API-server process than their parent's.
+
+With ``--api-server-count N`` (``--data-parallel-size N`` defaults to N API
+servers too), each API-server process sees only the requests it served, yet
+a client's next request may land on any of them. The engine core that ran a
+parent saw everything a child needs: the prompt token ids, the output token
+ids, the cache_salt and the LoRA adapter. So each engine core keeps a bounded
+record of its finished requests, and an API server that does not know a
+parent asks every engine core (:mod:`vllm_kvreuse.continuation.remote`); the
+one that answers is the DP rank whose ledger holds the parent's blocks. No
+service is shared between processes.
+
+Invariants:
+- only requests that finished in the engine by stop token, EOS or length are
+  recorded: their output token ids are exactly what the client received (the
+  frontend trims tokens only after a stop *string*, and then aborts the
+  engine request, which is not recorded);
+- a record is keyed by the client's request id (the engine request id less
+  vLLM's random suffix), so ``cmpl-…-0`` or, for choice ``k`` of an ``n > 1``
+  request, ``k_cmpl-…-0``;
+- a lookup with another cache_salt gets exactly the answer of an unknown id;
+- at most :data:`MAX_RECORDS` records, oldest dropped first, each kept for
+  its request's retention TTL (the server default for others).
+Kept only when the deployment has more than one API-server process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import envs
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_kvreuse.continuation import params
+
+MAX_RECORDS = 4096
+RUNNING = "running"
+_RECORDED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_SUFFIX_LEN = 9  # "-" + 8 random characters (InputProcessor.assign_request_id)
+
+
+def client_key(engine_request_id: str) -> str:
+    """The id the client knows a request by: the engine id less vLLM's
+    random suffix (absent with ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``)."""
+    if envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION:
+        return engine_request_id
+    return engine_request_id[:-_SUFFIX_LEN]
+
+
+@dataclass(slots=True)
+class FinishedRecord:
+    engine_request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int]
+    cache_salt: str | None
+    lora_name: str | None
+    chunk_lengths: list[int] | None
+    expires_at: float
+
+    def answer(self) -> dict[str, Any]:
+        return {
+            "engine_request_id": self.engine_request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "output_token_ids": self.output_token_ids,
+            "lora_name": self.lora_name,
+            "chunk_lengths": self.chunk_lengths,
+        }
+
+
+class FinishedRecords:
+    """Running and recently finished client requests of one engine core."""
+
+    def __init__(self, default_ttl: float, max_records: int = MAX_RECORDS) -> None:
+        self.default_ttl = default_ttl
+        self.max_records = max_records
+        self._running: dict[str, tuple[str, str | None]] = {}
+        self._finished: OrderedDict[str, FinishedRecord] = OrderedDict()
+
+    def started(self, request: Request, cache_salt: str | None) -> None:
+        """``cache_salt``: the client's (the chunk cache rehashes a chunked
+        request under a salt of its own)."""
+        key = client_key(request.request_id)
+        self._running[key] = (request.request_id, cache_salt)
+
+    def finished(self, request: Request) -> None:
+        key = client_key(request.request_id)
+        running = self._running.get(key)
+        if running is None or running[0] != request.request_id:
+            return  # an internal request, or a later one reusing the id
+        del self._running[key]
+        sampling = request.sampling_params
+        if request.status not in _RECORDED or sampling is None:
+            return
+        extra = sampling.extra_args or {}
+        ttl = params.retention_ttl(extra, self.default_ttl)
+        lora = request.lora_request
+        self._finished.pop(key, None)
+        self._finished[key] = FinishedRecord(
+            engine_request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids or [],
+            output_token_ids=list(request.output_token_ids),
+            cache_salt=running[1],
+            lora_name=lora.lora_name if lora is not None else None,
+            chunk_lengths=extra.get("kvreuse_chunks"),
+            expires_at=time.monotonic() + ttl,
+        )
+        while len(self._finished) > self.max_records:
+            self._finished.popitem(last=False)
+
+    def find(self, keys: Sequence[str], cache_salt: str | None) -> Any:
+        """The first live record among ``keys`` (as a dict), :data:`RUNNING`
+        if one is still running here, else None."""
+        now = time.monotonic()
+        for key in keys:
+            record = self._finished.get(key)
+            if record is not None and record.expires_at <= now:
+                del self._finished[key]
+                record = None
+            if record is not None and record.cache_salt == cache_salt:
+                return record.answer()
+            running = self._running.get(key)
+            if running is not None and running[1] == cache_salt:
+                return RUNNING
+        return None
+
+    def __len__(self) -> int:
+        return len(self._finished)
