@@ -18,7 +18,14 @@ from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
 from vllm_kvreuse.testing.processes import PinnedConnection, pinned_connections
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    # Four vLLM processes on two cores; through the interpreted V2 runner
+    # their start-up and steps would take most of CI's V2 budget. The
+    # topology code (settings, routing, look-ups) is frontend and engine
+    # core, the same under both runners.
+    pytest.mark.v1_only("CI time: two DP engines and two API servers"),
+]
 
 ITEMS = [(100, 1200, 2300), (100, 1200, 2301), (101, 1201, 2302), (108, 1301, 2401)]
 TOPOLOGY = "--data-parallel-size 2 --api-server-count 2"

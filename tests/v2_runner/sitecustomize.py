@@ -15,6 +15,7 @@ same switch), which needs no driver; this stand-in entry only answers the
 from __future__ import annotations
 
 import os
+import types
 
 
 def _register_stand_in() -> None:
@@ -22,21 +23,46 @@ def _register_stand_in() -> None:
         return
     try:
         from triton.backends import Backend, backends
-        from triton.backends.compiler import BaseBackend
+        from triton.backends.compiler import BaseBackend, GPUTarget
     except ImportError:  # no Triton: vLLM picks V1 and the tier's check fails
         return
-    if "cpu" not in backends:
-        backends["cpu"] = Backend(compiler=BaseBackend, driver=_InterpreterOnly)
+    if "cpu" in backends:
+        return
 
+    class InterpreterOnlyDriver:
+        """Active, so vLLM counts a CPU backend. Under ``TRITON_INTERPRET=1``
+        no kernel is compiled or launched through a driver; torch's inductor
+        (vLLM compiles a few helpers with it under TP) only asks for the
+        target and its backend's hash, for cache keys."""
 
-class _InterpreterOnly:
-    """Reports itself active, so vLLM counts a CPU backend. Nothing else is
-    asked of it: under ``TRITON_INTERPRET=1`` no kernel is compiled or
-    launched through a driver."""
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
 
-    @classmethod
-    def is_active(cls) -> bool:
-        return True
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cpu", "interpreter", 1)
+
+    class InterpreterOnlyCompiler(BaseBackend):
+        """Names the stand-in in cache keys; compiles nothing."""
+
+        @staticmethod
+        def supports_target(target: GPUTarget) -> bool:
+            return target.backend == "cpu"
+
+        def hash(self) -> str:
+            return "kvreuse-v2-tier-interpreter"
+
+        def parse_options(self, options: dict) -> object:
+            return types.SimpleNamespace(extern_libs=None, **options)
+
+        def _never(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("the V2 test tier runs Triton in interpreter mode")
+
+        load_dialects = add_stages = get_module_map = _never
+
+    backends["cpu"] = Backend(
+        compiler=InterpreterOnlyCompiler, driver=InterpreterOnlyDriver
+    )
 
 
 _register_stand_in()
