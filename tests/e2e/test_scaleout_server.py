@@ -31,15 +31,23 @@ ITEMS = [(100, 1200, 2300), (100, 1200, 2301), (101, 1201, 2302), (108, 1301, 24
 TOPOLOGY = "--data-parallel-size 2 --api-server-count 2"
 
 
+def topology(config: pytest.Config) -> list[str]:
+    return shlex.split(config.getoption("--scaleout-args") or TOPOLOGY)
+
+
+def data_parallel_size(flags: list[str]) -> int:
+    name = "--data-parallel-size"
+    return int(flags[flags.index(name) + 1]) if name in flags else 1
+
+
 @pytest.fixture(scope="module")
 def server(model_dir: str, tmp_path_factory, request) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("scaleout")
     catalog = folder / "items.txt"
     lines = ["# sid-catalog v1", "# layout: tokens"]
     catalog.write_text("\n".join(lines + [" ".join(map(str, i)) for i in ITEMS]))
-    topology = request.config.getoption("--scaleout-args") or TOPOLOGY
     with Server(
-        model_dir, *shlex.split(topology),
+        model_dir, *topology(request.config),
         "--enable-continuation", "--retain-kv-ttl", "3",
         "--global-cache-hit-threshold", "0", "--engine-beam-search",
         "--sid-catalog", str(catalog), "--logprobs-mode", "processed_logprobs",
@@ -75,7 +83,9 @@ def cached(body: dict) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_fifty_pairs_across_processes_and_ranks(server: Server, conns) -> None:
+def test_fifty_pairs_across_processes_and_ranks(
+    server: Server, conns, pytestconfig: pytest.Config
+) -> None:
     """Parent on one API server, child on the other, alternating: 0 failures,
     and every child inherits its parent's blocks on the parent's rank."""
     for i in range(50):
@@ -97,8 +107,8 @@ def test_fifty_pairs_across_processes_and_ranks(server: Server, conns) -> None:
         choice = parent["choices"][0]
         inherited = len(choice["prompt_token_ids"]) + len(choice["token_ids"]) - 1
         assert cached(child) == inherited, (i, child["usage"])
-    # Both ranks served parents: each runs the plugin's scheduler.
-    for rank in ("0", "1"):
+    # Every rank served parents: each runs the plugin's scheduler.
+    for rank in range(data_parallel_size(topology(pytestconfig))):
         assert server.metric("vllm:prompt_tokens_total", f'engine="{rank}"') > 0
 
 

@@ -9,6 +9,7 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+from tests.conftest import ENGINE_KWARGS
 from tests.integration.chunks import (
     DOC_A,
     DOC_B,
@@ -197,6 +198,10 @@ def test_a_continuation_of_a_chunked_request_inherits_its_blocks(llm, hf_model) 
     llm.reset_prefix_cache()  # releases the retained parent
 
 
+@pytest.mark.skipif(
+    ENGINE_KWARGS.get("tensor_parallel_size", 1) > 1,
+    reason="reads the worker's connector, in worker processes under TP",
+)
 def test_steps_without_chunk_work_make_no_per_layer_call(llm) -> None:
     """vLLM calls the connector per attention layer only while step metadata
     is bound; the worker binds only steps that load or save a chunk."""
