@@ -72,3 +72,24 @@ def test_width_too_large_for_the_pool_is_refused(llm: LLM) -> None:
         llm.beam_search([{"prompt_token_ids": list(range(100, 300))}], params)
     (ok,) = llm.beam_search(prompts(1), BeamSearchParams(beam_width=2, max_tokens=1))
     assert len(ok.sequences) == 2
+
+
+def test_beams_live_across_steps(llm: LLM) -> None:
+    """Each beam is one engine request for the whole search: a group spawns
+    its ``width`` members once and re-seats them every step (moved requests
+    copy their parent's tail block), over a block boundary, and the beams
+    still equal vLLM's own loop."""
+    core = scheduler_of(llm).kvreuse
+    spawned, moved = core.internal.num_spawned, core.reseats.num_moved
+    params = BeamSearchParams(beam_width=6, max_tokens=40)  # 57 + 40 > 3 blocks
+    batch = prompts(2, first_seed=3)
+    expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
+    spawned, moved = core.internal.num_spawned, core.reseats.num_moved
+    got = summary(llm.beam_search(batch, params, concurrency_limit=2))
+    for want, have in zip(expected, got, strict=True):
+        assert [tokens for tokens, _ in have] == [tokens for tokens, _ in want]
+        for (_, a), (_, b) in zip(have, want, strict=True):
+            assert a == pytest.approx(b, abs=1e-3)
+    assert core.internal.num_spawned - spawned == 2 * 6  # not 2 * 6 * 39
+    assert core.reseats.num_moved > moved
+    assert not core.reseats.copies_queued()

@@ -123,7 +123,7 @@ def test_beams_reuse_the_root_prompt_hashes_and_hash_the_rest(make_scheduler) ->
     members = [r for r in scheduler.requests.values() if "-beam" in r.request_id]
     assert members and members[0].num_tokens > 96
     for member in members:
-        fresh = make_request("fresh", member.prompt_token_ids)
+        fresh = make_request("fresh", list(member.all_token_ids))
         assert member.block_hashes == fresh.block_hashes
     scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)
 

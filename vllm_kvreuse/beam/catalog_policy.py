@@ -24,6 +24,7 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.catalog import SidCatalog
+from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row, Step, expand
 
 
@@ -102,3 +103,19 @@ def catalog_step(
     nodes = catalog.child(parents.to(catalog.device), tokens.to(catalog.device))
     assert bool((nodes >= 0).all()), "a live catalog beam left the catalog"
     return CatalogStep(step, nodes.tolist())
+
+
+def catalog_args(
+    catalog: SidCatalog | None, config: BeamConfig, nodes: list[int]
+) -> list[dict[str, int]]:
+    """What the logits processor needs to mask each next beam's row: its
+    trie node and, at a whole item, the EOS it may take."""
+    assert catalog is not None
+    eos = config.eos_token_id
+    if eos is None or config.ignore_eos:
+        return [{NODE_KEY: node} for node in nodes]
+    leaves = catalog.is_leaf(torch.tensor(nodes, dtype=torch.long)).tolist()
+    return [
+        {NODE_KEY: node, LEAF_EOS_KEY: eos} if leaf else {NODE_KEY: node}
+        for node, leaf in zip(nodes, leaves, strict=True)
+    ]

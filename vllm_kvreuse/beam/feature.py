@@ -1,48 +1,55 @@
 """Beam search inside the engine, beams forking their parent's KV blocks.
 
 A beam group starts from one root request (``extra_args["kvreuse_beam"]``)
-that the frontend sends instead of one request per beam per step. Each step,
-every live beam is one internal request (:mod:`vllm_kvreuse.core.internal`)
-of ``max_tokens=1`` whose prompt is the beam's tokens; it names its parent
-beam (``kvreuse_parent``), so the core layer hands it the parent's blocks
-(full blocks by reference, the partial tail copy-on-write) and it computes
-one token. Its log-probs feed :func:`vllm_kvreuse.beam.policy.expand`; the
-next step's beams are spawned inside the engine, with no frontend round trip.
+that the frontend sends instead of one request per beam per step. The
+root's prefill gives the first log-prob row; the first beams are internal
+requests (:mod:`vllm_kvreuse.core.internal`) naming the root
+(``kvreuse_parent``), so the core layer hands them its blocks (full blocks
+by reference, the partial tail copy-on-write). From then on the members
+live (:mod:`.live`): each step every member decodes one token, the rows
+feed :func:`vllm_kvreuse.beam.policy.expand`, and members are re-seated
+onto the beams they carry next. Where blocks cannot be handed over (not
+full attention, no prefix caching) or the width exceeds the running seats,
+each step's beams are new one-token requests instead.
 
-Block ownership:
-- When a beam's request finishes, the ledger holds its computed blocks for
-  the group (owner ``beam``) until its children have run, i.e. until the
-  step after next is selected; beams that die are released then too.
-- Under memory pressure the oldest group's held blocks are released, so held
-  beams can never deadlock the queue; its members then use the prefix cache.
-- ``reset_prefix_cache`` releases every group's held blocks: with
-  ``reset_running_requests`` vLLM requires the whole pool free afterwards
-  and raises otherwise; waiting members then compute their prompts.
-- When the group ends, fails or is aborted, everything it holds is released
-  and its live members are aborted.
+Block ownership: live members own their blocks as any running request
+(re-seats move references, :mod:`vllm_kvreuse.core.reseat`); a beam forked
+as a new request has its parent held in the ledger (owner ``beam``) until
+the step after next is selected. Under memory pressure the oldest group's
+held blocks are released (then its members use the prefix cache), else the
+oldest group's members that wait for a sibling are preempted, so beams can
+never deadlock the queue. ``reset_prefix_cache`` releases every held beam.
+When the group ends, fails or is aborted, everything it holds is released
+and its members are aborted.
 
-Admission: a step is admitted whole (:mod:`.gate`).
-
-Outputs: the root's output and members' outputs never reach the client; the
-root's client gets one final output whose ``stop_reason`` carries the best
-beams (:mod:`.result`).
+Admission: a step is admitted whole (:mod:`.gate`). Outputs: the root's and
+members' outputs never reach the client; the root's client gets one final
+output whose ``stop_reason`` carries the best beams (:mod:`.result`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.beam import result as beam_result
-from vllm_kvreuse.beam.catalog_policy import catalog_step
-from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY, engine_catalog
+from vllm_kvreuse.beam.catalog_policy import catalog_args, catalog_step
+from vllm_kvreuse.beam.catalog_setup import engine_catalog
 from vllm_kvreuse.beam.gate import park_steps_that_do_not_fit
 from vllm_kvreuse.beam.group import BeamGroup, member_request
+from vllm_kvreuse.beam.live import (
+    carriers,
+    hold_out,
+    preempt,
+    put_back,
+    unsample,
+    with_catalog_args,
+)
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.core.feature import Feature
+from vllm_kvreuse.core.reseat import Move
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,8 +72,12 @@ class EngineBeamSearch(Feature):
         self._member_group: dict[str, BeamGroup] = {}  # live members and roots
         self._ready: dict[str, BeamGroup] = {}
         self._parked: list[Request] = []
+        self._held: list[Request] = []  # live members out of this schedule
+        self._sampled: set[str] = set()  # live members whose row is in
         # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
         self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
+        cache_config = core.scheduler.cache_config
+        self._hash_block_size = cache_config.hash_block_size or core.block_size
 
     # -- requests --------------------------------------------------------------
 
@@ -108,15 +119,32 @@ class EngineBeamSearch(Feature):
     # -- steps -----------------------------------------------------------------
 
     def before_schedule(self) -> None:
-        if self._groups:
-            self._parked = park_steps_that_do_not_fit(
-                self.core.scheduler, self._groups, self._member_group
-            )
+        if not self._groups:
+            return
+        scheduler = self.core.scheduler
+        self._parked = park_steps_that_do_not_fit(
+            scheduler, self._groups, self._member_group
+        )
+        self._held = hold_out(scheduler, self._member_group, self._sampled)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         if self._parked:  # back at the head, in their order
             self.core.scheduler.waiting.prepend_requests(reversed(self._parked))
             self._parked = []
+        if self._held:
+            put_back(self.core.scheduler, self._held)
+            self._held = []
+
+    def on_preempt(self, request: Request) -> None:
+        """A live member preempted after sampling forgets that row: it
+        resumes from its beam's tokens and samples the same position again."""
+        if request.request_id not in self._sampled:
+            return
+        self._sampled.discard(request.request_id)
+        group = self._member_group.get(request.request_id)
+        if group is not None:
+            group.results.pop(request.request_id, None)
+        unsample(request, self._hash_block_size)
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
         self._take(output)
@@ -140,11 +168,21 @@ class EngineBeamSearch(Feature):
     def release_under_pressure(self) -> bool:
         """Held beams may be what blocks the queue's head: let the oldest
         group's go. Its waiting members then use the prefix cache (correct,
-        slower) instead of waiting forever."""
+        slower) instead of waiting forever. Else live members that wait for
+        a sibling may hold the blocks or seats it needs: the oldest such
+        group's are preempted (they recompute their step later)."""
         ledger = self.core.ledger
         for group in self._groups.values():
             if any(beam_id in ledger for beam_id in group.beam_ids):
                 self._release_held(group.beam_ids)
+                return True
+        scheduler = self.core.scheduler
+        for group in self._groups.values():
+            sampled = [
+                b.request_id for b in group.beams if b.request_id in self._sampled
+            ]
+            if group.live and sampled and len(sampled) < len(group.beams):
+                preempt(scheduler, [scheduler.requests[rid] for rid in sampled])
                 return True
         return False
 
@@ -165,34 +203,48 @@ class EngineBeamSearch(Feature):
         """Consumes a root's or member's output; True if it must not reach
         the client."""
         group = self._member_group.get(out.request_id)
-        if group is None or out.finish_reason is None:
-            return group is not None
+        if group is None:
+            return False
+        if out.finish_reason is None:  # a live member's step
+            if group.live and out.new_logprobs is not None:
+                self._sampled.add(out.request_id)
+                self._record(group, out)
+            return True
         del self._member_group[out.request_id]
+        self._sampled.discard(out.request_id)
         is_root = out.request_id == group.root.request_id
-        if out.finish_reason not in _OK or out.new_logprobs is None:
+        failed = out.finish_reason not in _OK or out.new_logprobs is None
+        if failed or group.live:  # a live member never finishes on its own
             self._drop(group)
             if is_root:
                 return False  # the engine's own answer: pass it on
-            self._emit(group, out.finish_reason, None, stop_reason=out.stop_reason)
+            reason = out.finish_reason if failed else FinishReason.ERROR
+            self._emit(group, reason, None, stop_reason=out.stop_reason)
             return True
         if is_root:
             group.prefill_stats = out.prefill_stats
             group.kv_transfer_params = out.kv_transfer_params  # a connector's
-        elif out.prefill_stats is not None:
+        self._record(group, out)
+        return True
+
+    def _record(self, group: BeamGroup, out: EngineCoreOutput) -> None:
+        """One beam's log-prob row; the group is ready when all are in."""
+        if out.prefill_stats is not None and out.request_id != group.root_id:
             group.num_member_computed_tokens += out.prefill_stats.num_computed_tokens
         logprobs = out.new_logprobs
+        assert logprobs is not None
         group.results[out.request_id] = logprob_row(
             logprobs.logprob_token_ids[0], logprobs.logprobs[0], group.config.width
         )
         if len(group.results) == len(group.beams):
             self._ready[group.root.request_id] = group
-        return True
 
     def _advance(self, group: BeamGroup) -> None:
         """Selects the next beams; spawns their requests or ends the group."""
         if group.root.request_id not in self._groups:
             return  # dropped meanwhile
         rows = [group.results.pop(beam.request_id) for beam in group.beams]
+        self._sampled.difference_update(beam.request_id for beam in group.beams)
         nodes: list[int] = []
         if group.config.sid_catalog:
             assert self.catalog is not None
@@ -211,7 +263,10 @@ class EngineBeamSearch(Feature):
             self._drop(group)
             return
         # A catalog beam carries its trie node (and, at an item, its EOS).
-        extra = self._catalog_args(group.config, nodes) if nodes else None
+        extra = catalog_args(self.catalog, group.config, nodes) if nodes else None
+        if group.live:
+            group.beams = self._reseat(group, step.beams, nodes, extra)
+            return
         group.beams = [
             Beam(
                 seq,
@@ -220,6 +275,62 @@ class EngineBeamSearch(Feature):
             )
             for i, (seq, parent_id) in enumerate(step.beams)
         ]
+        group.live = self._can_live(group)
+
+    def _can_live(self, group: BeamGroup) -> bool:
+        """Members can outlive a step: blocks can be handed over, and the
+        whole width fits the running seats at once."""
+        scheduler = self.core.scheduler
+        seats = min(scheduler.max_num_running_reqs, scheduler.max_num_active_reqs)
+        return self.core.ledger.enabled and group.config.width <= seats
+
+    def _reseat(
+        self,
+        group: BeamGroup,
+        beams: list[tuple[Any, str]],
+        nodes: list[int],
+        extra: list[dict[str, int]] | None,
+    ) -> list[Beam]:
+        """Carries the next beams on the live members (:mod:`.live`)."""
+        requests = self.core.scheduler.requests
+        reseats = self.core.reseats
+        rows, spares = carriers(
+            [beam.request_id for beam in group.beams], [pid for _, pid in beams]
+        )
+        # Every seat is read before any member changes.
+        seats = {
+            pid: reseats.seat_of(requests[pid])
+            for (_, pid), rid in zip(beams, rows, strict=True)
+            if rid is None
+        }
+        spares.reverse()  # popped from the end: beam order
+        moves: list[Move] = []
+        next_beams: list[Beam] = []
+        for i, ((seq, pid), rid) in enumerate(zip(beams, rows, strict=True)):
+            token = seq.tokens[-1]
+            if rid is None and not spares:  # more beams than members: fork
+                if pid not in self.core.ledger:
+                    self.core.ledger.hold(requests[pid], OWNER)
+                rid = self._spawn(
+                    group, seq.tokens, pid, i, extra[i] if extra else {}, live=True
+                )
+            else:
+                request = requests[rid] if rid is not None else requests[spares.pop()]
+                params = with_catalog_args(request, extra[i]) if extra else None
+                if rid is None:
+                    moves.append(Move(request, seats[pid], token, params))
+                    group.num_forks += 1
+                elif request.all_token_ids[-1] != token or params is not None:
+                    moves.append(Move(request, None, token, params))
+                rid = request.request_id
+            next_beams.append(Beam(seq, rid, nodes[i] if nodes else 0))
+        copied = reseats.num_copied_blocks
+        reseats.move(moves)
+        group.num_copied_blocks += reseats.num_copied_blocks - copied
+        for rid in spares:  # fewer beams than members
+            self._member_group.pop(rid, None)
+        self.core.abort(spares)
+        return next_beams
 
     def _spawn(
         self,
@@ -228,32 +339,23 @@ class EngineBeamSearch(Feature):
         parent_id: str,
         index: int,
         catalog_args: dict[str, int],
+        live: bool | None = None,
     ) -> str:
         """Adds the request of one beam of the next step; returns its id."""
-        scheduler = self.core.scheduler
-        hash_block_size = scheduler.cache_config.hash_block_size or self.core.block_size
         request = member_request(
-            group, tokens, parent_id, index, catalog_args, hash_block_size
+            group,
+            tokens,
+            parent_id,
+            index,
+            catalog_args,
+            self._hash_block_size,
+            live=self._can_live(group) if live is None else live,
         )
         group.num_forks += 1
         group.num_copied_blocks += bool((len(tokens) - 1) % self.core.block_size)
         self._member_group[request.request_id] = group
         self.core.internal.spawn(request, self)
         return request.request_id
-
-    def _catalog_args(
-        self, config: BeamConfig, nodes: list[int]
-    ) -> list[dict[str, int]]:
-        """What the logits processor needs to mask each next beam's row."""
-        assert self.catalog is not None
-        eos = config.eos_token_id
-        if eos is None or config.ignore_eos:
-            return [{NODE_KEY: node} for node in nodes]
-        leaves = self.catalog.is_leaf(torch.tensor(nodes, dtype=torch.long)).tolist()
-        return [
-            {NODE_KEY: node, LEAF_EOS_KEY: eos} if leaf else {NODE_KEY: node}
-            for node, leaf in zip(nodes, leaves, strict=True)
-        ]
 
     def _emit(
         self,
@@ -286,6 +388,7 @@ class EngineBeamSearch(Feature):
         live = [rid for rid, owner in self._member_group.items() if owner is group]
         for request_id in live:
             del self._member_group[request_id]
+            self._sampled.discard(request_id)
         self._release_held(group.beam_ids)
         self.core.abort(r for r in live if r != group.root.request_id)
 

@@ -2,13 +2,16 @@
 
 A member inherits its parent's blocks and needs one new block (its
 copy-on-write tail), so a step of ``k`` waiting members needs ``k`` free
-blocks. If a step's members were admitted one by one, some could hold
-blocks while their siblings wait for blocks that never come; the group
-would wait forever for its slowest member. So before each schedule every
-waiting member of a step that does not fit the free blocks as a whole is
+blocks; members of a live group (:mod:`.live`) also need ``k`` free
+running seats (``max_num_seqs``), as they run together from then on. If a
+step's members were admitted one by one, some could hold blocks and seats
+while their siblings wait for ones that never come; the group would wait
+forever for its slowest member. So before each schedule every waiting
+member of a step that does not fit the free blocks and seats as a whole is
 taken out of the queue for that step (oldest group first), and put back at
 the head after it. A step that admits nothing is memory pressure, which
-releases held beams, so this cannot deadlock.
+releases held beams (and preempts live members that wait for a sibling),
+so this cannot deadlock.
 """
 
 from __future__ import annotations
@@ -39,20 +42,26 @@ def park_steps_that_do_not_fit(
     if not scheduler.waiting:
         return []
     waiting: dict[str, list[Request]] = {}  # root id -> waiting members
+    live: set[str] = set()  # groups whose members need seats at once
     for request in scheduler.waiting:
         group = member_group.get(request.request_id)
         if group is not None and request.request_id != group.root_id:
             waiting.setdefault(group.root_id, []).append(request)
+            if group.live:
+                live.add(group.root_id)
     if not waiting:
         return []
     free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    seats = scheduler.max_num_active_reqs - len(scheduler.running)
     parked: list[Request] = []
     for root_id in root_ids:  # oldest first
         members = waiting.get(root_id)
         if not members:
             continue
-        if len(members) <= free:
+        needs_seats = root_id in live
+        if len(members) <= free and (not needs_seats or len(members) <= seats):
             free -= len(members)
+            seats -= len(members) if needs_seats else 0
         else:
             parked += members
     if parked:

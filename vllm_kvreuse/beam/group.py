@@ -25,7 +25,9 @@ class BeamGroup:
     """One beam search: its root request and the beams of the current step.
 
     ``previous`` are last step's beams: their KV is held until this step's
-    beams (their children) have run, then released.
+    beams (their children) have run, then released. ``live``: the beams'
+    requests outlive a step (they are re-seated each step, :mod:`.live`);
+    otherwise each step's beams are new requests of one token.
     """
 
     root: Request
@@ -35,6 +37,7 @@ class BeamGroup:
     completed: list[BeamSearchSequence] = field(default_factory=list)
     previous: list[str] = field(default_factory=list)
     step: int = 0
+    live: bool = False
     prefill_stats: Any = None
     # What a KV connector returned with the root's prefill (P/D): passed on
     # unchanged in the group's final output.
@@ -90,12 +93,15 @@ def member_request(
     index: int,
     extra_args: dict[str, Any],
     hash_block_size: int,
+    live: bool = False,
 ) -> Request:
     """The request of beam ``index`` of the group's next step.
 
     Its prompt is the beam's ``tokens``; it names ``parent_id``, whose held
     blocks it inherits (:mod:`vllm_kvreuse.core.ledger`), and computes one
     token. ``extra_args`` go next to the parent's name (catalog node).
+    A ``live`` member runs until the group aborts it: it never stops on
+    its own (no EOS, no stop tokens, a token budget for the whole search).
     """
     root = group.root
     assert root.sampling_params is not None
@@ -104,6 +110,12 @@ def member_request(
     # beam search, which sets skip_clone).
     sampling = copy.copy(root.sampling_params)
     sampling.extra_args = {PARENT: parent_id, **extra_args}
+    if live:
+        sampling.max_tokens = group.config.max_tokens + 1
+        sampling.min_tokens = 0
+        sampling.stop_token_ids = None
+        sampling._eos_token_id = None
+        sampling._all_stop_token_ids = set()
     request = Request(
         request_id=f"{root.request_id}-beam{group.step}-{index}",
         prompt_token_ids=list(tokens),

@@ -5,6 +5,8 @@ Between steps, for every block of the pool but the null block:
     ref_cnt == (live requests whose block table holds it)
              + (ledger entries holding it)
              + (deferred frees waiting for an in-flight step)
+             + (copy-on-write endpoints queued for the next step's copies:
+                a re-seat between steps queues them, ``schedule()`` drains)
 
 and the free queue holds exactly the blocks whose count is zero. So free +
 held + live covers the pool, and nothing is held by nobody (a leak) or freed
@@ -25,6 +27,8 @@ def expected_references(scheduler: Any) -> Counter[int]:
     for single in manager.coordinator.single_type_managers:
         for blocks in single.req_to_blocks.values():
             refs.update(b.block_id for b in blocks if not b.is_null)
+        for pair in single._pending_cow_copies:
+            refs.update(b.block_id for b in pair)
     layer = getattr(scheduler, "kvreuse", None)
     if layer is not None:
         refs.update(b.block_id for b in layer.ledger.held_blocks())

@@ -18,6 +18,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.internal import InternalRequests
 from vllm_kvreuse.core.ledger import BlockLedger
+from vllm_kvreuse.core.reseat import Reseats
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -30,6 +31,7 @@ class Core:
 
     - ``ledger``: blocks held past their request's life;
     - ``internal``: requests the plugin spawns;
+    - ``reseats``: running requests moved onto other requests' KV;
     - :meth:`emit`: outputs the engine itself finishes requests with
       (rejections, errors, beam results), delivered with the next step's;
     - :meth:`fail`, :meth:`abort`: finish requests at the next safe point
@@ -43,6 +45,7 @@ class Core:
         self.config = config
         self.ledger = BlockLedger(scheduler.kv_cache_manager, scheduler.block_size)
         self.internal = InternalRequests(scheduler.add_upstream)
+        self.reseats = Reseats(scheduler)
         self._emitted: list[tuple[int, EngineCoreOutput]] = []
         self._failed: dict[str, str] = {}
         self.client_salts: dict[str, str | None] = {}
@@ -57,12 +60,14 @@ class Core:
         return self.scheduler.block_size
 
     def has_work(self) -> bool:
-        """Outputs or failures still to deliver, or a release to publish."""
+        """Outputs or failures still to deliver, a release to publish, or
+        re-seat copies whose retained blocks one more step frees."""
         return bool(
             self._emitted
             or self._failed
             or self._aborts
             or self.ledger.released_since_step
+            or self.reseats.copies_queued()
         )
 
     def emit(self, client_index: int, output: EngineCoreOutput) -> None:

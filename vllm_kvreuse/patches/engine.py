@@ -160,8 +160,7 @@ PATCHES: tuple[Patch, ...] = (
         "patches whose runner is the one this config selects "
         "(VllmConfig.use_v2_model_runner); every worker, in-process or not, "
         "is initialised here.",
-        remove_when="vLLM loads plugins with the config (or names the runner "
-        "to them).",
+        remove_when="vLLM loads plugins with the config (or names the runner to them).",
     ),
     # The helper is defined in worker.utils and imported by name into each
     # runner, which calls its own binding: one entry per runner (vllm-ascend's
