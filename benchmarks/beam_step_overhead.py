@@ -26,8 +26,10 @@ timed alike); everything else is overhead:
   top-k log-probs, output lists);
 - ``update``: ``Scheduler.update_from_output`` less the beam step
   (finishing requests, routing outputs, reading log-prob rows);
-- ``spawn``: creating and queueing the next step's member requests
-  (``EngineBeamSearch._spawn``);
+- ``spawn``: creating and queueing new member requests
+  (``EngineBeamSearch._spawn``: the group's first step);
+- ``reseat``: re-seating live members onto their next beams
+  (``Reseats.move``: blocks, tail copies queued, tokens, hashes);
 - ``rank``: the rest of the beam step (``EngineBeamSearch._advance``:
   ranking candidates, releasing held beams);
 - ``front``: the frontend's ``OutputProcessor.process_outputs``;
@@ -58,7 +60,9 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-PARTS = ("sched", "prep", "sample", "update", "spawn", "rank", "front", "other")
+PARTS = (
+    "sched", "prep", "sample", "update", "spawn", "reseat", "rank", "front", "other"
+)  # fmt: skip
 
 
 def use_v2_runner() -> None:
@@ -143,6 +147,7 @@ class Timers:
         beam = scheduler.feature("beam")
         self.wrap(beam, "_advance", "rank")
         self.wrap(beam, "_spawn", "spawn")
+        self.wrap(scheduler.kvreuse.reseats, "move", "reseat")
         schedule = scheduler.schedule
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,13 @@ time.
 
     .venv/bin/python benchmarks/beam_width_profile.py           # tiny, engine beams
     .venv/bin/python benchmarks/beam_width_profile.py --plain   # vLLM's own loop
+    .venv/bin/python benchmarks/beam_width_profile.py --compare --top 0
+
+``--compare`` also times, in the same engine, the previous design of engine
+beam search (a new one-token request per beam per step, which the engine
+still uses where members cannot live) and prints live / per-step ratios.
+``max_num_seqs`` is set to the widest width: members live only when the
+whole width fits the running seats.
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--plain", action="store_true", help="vLLM's own beam search")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also time per-step member requests (the design before live beams)",
+    )
     args = parser.parse_args()
 
     import vllm_kvreuse
@@ -44,8 +56,14 @@ def main() -> None:
         args.model, dtype="float32", enforce_eager=True,
         max_model_len=args.prompt_tokens + args.max_tokens + 32,
         max_logprobs=2 * max(args.widths) + 1,
+        max_num_seqs=max(256, *args.widths),
+        max_num_batched_tokens=max(8192, *args.widths),
         engine_beam_search=not args.plain,
     )  # fmt: skip
+    beam = None
+    if not args.plain:
+        core = llm.llm_engine.engine_core.engine_core
+        beam = core.scheduler.feature("beam")
     numbers = iter(range(10**9))
 
     def search(width: int) -> float:
@@ -58,10 +76,27 @@ def main() -> None:
 
     mode = "vLLM's beam search" if args.plain else "engine beam search"
     print(f"{mode}, {args.model}, {args.prompt_tokens}-token prompts")
+    def per_step(on: bool) -> None:
+        # Benchmark-only switch: the feature's own check, answered "no".
+        if on:
+            beam._can_live = lambda group: False  # type: ignore[union-attr]
+        else:
+            vars(beam).pop("_can_live", None)
+
     for width in args.widths:
         search(width)  # warm-up
         times = [search(width) for _ in range(args.repeats)]
-        print(f"width {width}: {statistics.median(times) * 1e3:.0f} ms (median)")
+        live = statistics.median(times)
+        line = f"width {width}: {live * 1e3:.0f} ms (median)"
+        if args.compare and beam is not None:
+            per_step(True)
+            search(width)
+            old = statistics.median(search(width) for _ in range(args.repeats))
+            per_step(False)
+            line += f"; per-step members {old * 1e3:.0f} ms; {old / live:.2f}x"
+        print(line)
+    if not args.top:
+        return
 
     profile = cProfile.Profile()
     profile.enable()

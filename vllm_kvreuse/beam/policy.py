@@ -145,14 +145,20 @@ def logprob_row(
 ) -> Row:
     """The (token, logprob) pairs the front end sees for one position: the
     first ``2 * width + 1``, a repeated token (the sampled one, which the
-    sampler puts first and which recurs in the top-k) kept at its first place."""
+    sampler puts first and which recurs in the top-k) kept at its first place.
+
+    Only the sampled token can repeat (top-k tokens are distinct), so one
+    comparison against it replaces a sort-based dedup (a wide step reads
+    ``2 * width`` rows of ``2 * width + 1``).
+    """
     n = 2 * width + 1
     tokens = np.asarray(token_ids[:n], dtype=np.int64)
     values = np.asarray(logprobs[:n], dtype=np.float64)
-    _, first = np.unique(tokens, return_index=True)
-    if len(first) < len(tokens):
-        keep = np.sort(first)
-        tokens, values = tokens[keep], values[keep]
+    if len(tokens) > 1:
+        again = tokens[1:] == tokens[0]
+        if again.any():
+            keep = np.concatenate(([True], ~again))
+            tokens, values = tokens[keep], values[keep]
     return Row(tokens, values)
 
 
