@@ -65,7 +65,8 @@ def beam_groups() -> Counter:
 def beam_forks() -> Counter:
     return Counter(
         PREFIX + "beam_forks",
-        "Beam requests forked from a parent beam's KV blocks (engine beam search).",
+        "Beams moved onto a parent beam's KV blocks: new member requests, and "
+        "live members re-seated onto another beam (engine beam search).",
     )
 
 

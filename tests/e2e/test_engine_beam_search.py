@@ -69,8 +69,9 @@ def test_forks_and_usage_are_reported(servers) -> None:
     result = beams(engine, prompt(99, 70), width=4, max_tokens=3)
     assert result["usage"]["prompt_tokens_details"] is not None
     assert engine.metric("vllm_kvreuse:beam_groups_total") == groups + 1
-    # Steps 2 and 3 fork 4 beams each; each beam computes its one new token.
-    assert engine.metric("vllm_kvreuse:beam_forks_total") == before + 8
+    # Step 2 forks 4 beams (new members); step 3 moves only the members
+    # whose beam died onto another parent. Each beam computes one token.
+    assert before + 4 <= engine.metric("vllm_kvreuse:beam_forks_total") <= before + 8
     assert (
         engine.metric("vllm_kvreuse:beam_computed_prompt_tokens_total") == computed + 8
     )

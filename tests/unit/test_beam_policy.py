@@ -100,7 +100,7 @@ def test_vectorised_step_selects_what_the_per_candidate_loop_selects(seed: int) 
         # As vLLM's sampler lists them: the sampled token, then the top-k
         # (distinct), which may hold the sampled token again.
         top = rng.choice(max(12, k), size=max(k - 1, 0), replace=False).tolist()
-        tokens = ([int(rng.integers(0, 12))] + top)[:k]
+        tokens = [int(rng.integers(0, 12)), *top][:k]
         values = rng.choice([-0.5, -1.0, -1.5], size=k).tolist()
         rows.append(logprob_row(tokens, values, width))
     cfg = config(width=width, ignore_eos=bool(seed % 3 == 0))

@@ -229,8 +229,11 @@ class EngineBeamSearch(Feature):
 
     def _record(self, group: BeamGroup, out: EngineCoreOutput) -> None:
         """One beam's log-prob row; the group is ready when all are in."""
-        if out.prefill_stats is not None and out.request_id != group.root_id:
-            group.num_member_computed_tokens += out.prefill_stats.num_computed_tokens
+        if out.request_id != group.root_id:  # a live step computes one token
+            stats = out.prefill_stats
+            group.num_member_computed_tokens += (
+                stats.num_computed_tokens if stats is not None else 1
+            )
         logprobs = out.new_logprobs
         assert logprobs is not None
         group.results[out.request_id] = logprob_row(
