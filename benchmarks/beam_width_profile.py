@@ -76,6 +76,7 @@ def main() -> None:
 
     mode = "vLLM's beam search" if args.plain else "engine beam search"
     print(f"{mode}, {args.model}, {args.prompt_tokens}-token prompts")
+
     def per_step(on: bool) -> None:
         # Benchmark-only switch: the feature's own check, answered "no".
         if on:

@@ -94,6 +94,48 @@ def test_resetting_running_requests_releases_held_beams(
     driver.check_drained()
 
 
+def test_a_live_group_is_not_preempted_while_its_last_member_runs(
+    model_config: ModelConfig,
+) -> None:
+    """Two seats, async scheduling: a request ahead in the queue lets one
+    member of a width-2 live group in before its sibling. The first samples
+    and waits (it keeps its seat); its sibling runs; a request waiting for a
+    seat counted as pressure, and the sampled member was preempted, while the
+    sibling's output was in flight. Then the sibling sampled and waited, and
+    was preempted in turn: the members swapped places for ever (found by
+    the randomised test in CI)."""
+    driver = Driver(
+        make_full_scheduler(
+            model_config,
+            num_blocks=12,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            async_scheduling=True,
+        )
+    )
+    config = BeamConfig(width=2, max_tokens=3, eos_token_id=EOS)
+    # "busy" holds the second seat until the root's prefill is done, so
+    # "filler" is still ahead of the members when they are spawned.
+    driver.add(make_request("busy", list(range(500, 516)), max_tokens=2), "plain")
+    root = make_request(
+        "root", list(range(100, 132)), max_tokens=1, kvreuse_beam=config.to_dict()
+    )
+    root.sampling_params.logprobs = 4
+    driver.add(root, "beam")
+    driver.add(make_request("filler", list(range(300, 316)), max_tokens=1), "plain")
+    for _ in range(10):
+        if "root-beam1-0" in driver.scheduler.requests:
+            break
+        driver.step()
+    assert "root-beam1-0" in driver.scheduler.requests, "no live members spawned"
+    driver.add(make_request("late", list(range(400, 417)), max_tokens=3), "plain")
+    driver.check()
+    driver.drain(max_steps=60)
+    _assert_answered(driver, "busy", "filler", "late")
+    _assert_answered(driver, "root", reason=FinishReason.STOP)
+    driver.check_drained()
+
+
 # -- ruled out -----------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ from vllm_kvreuse.beam.live import (
     hold_out,
     preempt,
     put_back,
+    stalled,
     unsample,
     with_catalog_args,
 )
@@ -169,8 +170,8 @@ class EngineBeamSearch(Feature):
         """Held beams may be what blocks the queue's head: let the oldest
         group's go. Its waiting members then use the prefix cache (correct,
         slower) instead of waiting forever. Else live members that wait for
-        a sibling may hold the blocks or seats it needs: the oldest such
-        group's are preempted (they recompute their step later)."""
+        a sibling that cannot run may hold the blocks or seats it needs: the
+        oldest such group's are preempted (they recompute their step later)."""
         ledger = self.core.ledger
         for group in self._groups.values():
             if any(beam_id in ledger for beam_id in group.beam_ids):
@@ -178,11 +179,8 @@ class EngineBeamSearch(Feature):
                 return True
         scheduler = self.core.scheduler
         for group in self._groups.values():
-            sampled = [
-                b.request_id for b in group.beams if b.request_id in self._sampled
-            ]
-            if group.live and sampled and len(sampled) < len(group.beams):
-                preempt(scheduler, [scheduler.requests[rid] for rid in sampled])
+            if group.live and (stuck := stalled(scheduler, group, self._sampled)):
+                preempt(scheduler, stuck)
                 return True
         return False
 

@@ -34,7 +34,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.request_args import PARENT
 
@@ -98,6 +98,22 @@ def put_back(scheduler: Scheduler, held: list[Request]) -> None:
     scheduler.running[:0] = held
     scheduler.max_num_running_reqs += len(held)
     scheduler.max_num_active_reqs += len(held)
+
+
+def stalled(
+    scheduler: Scheduler, group: BeamGroup, sampled: Collection[str]
+) -> list[Request]:
+    """The group's members that have sampled this step (``sampled``) and wait
+    for a sibling that is not running; empty if none wait or every missing
+    sibling runs. A running sibling (its output in flight) samples without
+    help: preempting the waiting members then would only swap which member
+    waits, step after step."""
+    members = [scheduler.requests.get(beam.request_id) for beam in group.beams]
+    done = [r for r in members if r is not None and r.request_id in sampled]
+    missing = [r for r in members if r is None or r.request_id not in sampled]
+    if any(r is None or r.status != RequestStatus.RUNNING for r in missing):
+        return done
+    return []
 
 
 def preempt(scheduler: Scheduler, requests: list[Request]) -> None:
