@@ -41,8 +41,11 @@ def summary(outputs) -> list[list[tuple[list[int], float]]]:
     return [[(seq.tokens, seq.cum_logprob) for seq in out.sequences] for out in outputs]
 
 
-def test_same_beams_as_vllm_offline_loop(llm: LLM) -> None:
-    params = BeamSearchParams(beam_width=4, max_tokens=3)
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_same_beams_as_vllm_offline_loop(llm: LLM, ignore_eos: bool) -> None:
+    # ignore_eos: each beam's request returns its top `width` log-probs, not
+    # vLLM's 2 * width (BeamConfig.row_size); the beams must not change.
+    params = BeamSearchParams(beam_width=4, max_tokens=3, ignore_eos=ignore_eos)
     batch = prompts(6)
     expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
     got = summary(llm.beam_search(batch, params, concurrency_limit=4))

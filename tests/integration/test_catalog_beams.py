@@ -70,14 +70,15 @@ def test_every_constrained_beam_is_a_catalog_item(llm: LLM) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("ignore_eos", [False, True])
 def test_a_full_width_search_ranks_every_item_as_the_model_does(
-    llm: LLM, hf_model
+    llm: LLM, hf_model, ignore_eos: bool
 ) -> None:
     """Width 8 covers the 6 items: the beams are all of them, ordered by
-    their log-probability under the HF reference model."""
-    (got,) = llm.beam_search(
-        PROMPTS[:1], catalog_beam_params(beam_width=8, max_tokens=3)
-    )
+    their log-probability under the HF reference model (with ``ignore_eos``
+    from rows of the top ``width`` log-probs, not ``2 * width``)."""
+    params = catalog_beam_params(beam_width=8, max_tokens=3, ignore_eos=ignore_eos)
+    (got,) = llm.beam_search(PROMPTS[:1], params)
     prompt = PROMPTS[0]["prompt_token_ids"]
     scores = {}
     for item in ITEMS:

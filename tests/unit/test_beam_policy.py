@@ -24,7 +24,7 @@ def config(width: int = 2, **kwargs) -> BeamConfig:
 
 def test_row_keeps_sampled_first_and_drops_duplicates() -> None:
     # The sampler puts the sampled token first; it repeats in the top-k.
-    row = logprob_row([7, 7, 9, 4, 5, 6], [-0.1, -0.1, -0.5, -0.9, -1.0, -2.0], width=2)
+    row = logprob_row([7, 7, 9, 4, 5, 6], [-0.1, -0.1, -0.5, -0.9, -1.0, -2.0], size=4)
     assert list(row.items()) == [(7, -0.1), (9, -0.5), (4, -0.9), (5, -1.0)]
 
 
@@ -102,7 +102,7 @@ def test_vectorised_step_selects_what_the_per_candidate_loop_selects(seed: int) 
         top = rng.choice(max(12, k), size=max(k - 1, 0), replace=False).tolist()
         tokens = [int(rng.integers(0, 12)), *top][:k]
         values = rng.choice([-0.5, -1.0, -1.5], size=k).tolist()
-        rows.append(logprob_row(tokens, values, width))
+        rows.append(logprob_row(tokens, values, 2 * width))
     cfg = config(width=width, ignore_eos=bool(seed % 3 == 0))
     completed, selected = loop_expand(beams, [dict(r.items()) for r in rows], cfg)
     step = expand(beams, rows, cfg)
@@ -110,3 +110,32 @@ def test_vectorised_step_selects_what_the_per_candidate_loop_selects(seed: int) 
         (EOS, cum) for _, cum in completed
     ]
     assert [(s.tokens[-1], p, s.cum_logprob) for s, p in step.beams] == selected
+
+
+def test_row_size_is_width_only_when_no_candidate_can_end_a_beam() -> None:
+    assert config(width=8).row_size == 16
+    assert config(width=8, ignore_eos=True).row_size == 8
+    assert BeamConfig(width=8, max_tokens=3, eos_token_id=None).row_size == 8
+    assert config(width=8, ignore_eos=True, sid_catalog=True).num_logprobs == 9
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_top_width_rows_keep_the_beams_of_top_twice_width_rows(seed: int) -> None:
+    """With ``ignore_eos``, rows cut to ``row_size`` select what vLLM's
+    ``2 * width`` rows select (distinct scores: no ties at the cut)."""
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([1, 3, 8, 32]))
+    cfg = config(width=width, ignore_eos=True)
+    beams = [beam([1, 2 + i], float(rng.normal()), f"b{i}") for i in range(width)]
+    full, cut = [], []
+    for _ in beams:
+        values = np.sort(rng.normal(size=2 * width + 1))[::-1].tolist()
+        tokens = rng.choice(1000, size=2 * width, replace=False).tolist()
+        tokens = [tokens[0], *tokens]  # the sampled (best) token, then the top-k
+        values = [values[1], *values[1:]]
+        full.append(logprob_row(tokens, values, 2 * width))
+        cut.append(logprob_row(tokens, values, cfg.row_size))
+    assert all(len(row) == width for row in cut)
+    want = [(s.tokens, p, s.cum_logprob) for s, p in expand(beams, full, cfg).beams]
+    got = [(s.tokens, p, s.cum_logprob) for s, p in expand(beams, cut, cfg).beams]
+    assert got == want

@@ -156,9 +156,11 @@ def test_open_vocabulary_misses_the_catalog_the_constrained_search_does_not() ->
             row = torch.from_numpy(
                 table(seed, tuple(b.seq.tokens[len(PROMPT) :]), vocab)
             )
-            top = row.topk(2 * config.width + 1)
+            top = row.topk(config.num_logprobs + 1)
             rows.append(
-                logprob_row(top.indices.tolist(), top.values.tolist(), config.width)
+                logprob_row(
+                    top.indices.tolist(), top.values.tolist(), config.num_logprobs
+                )
             )
         beams = [Beam(s, p) for s, p in expand(beams, rows, config).beams]
     assert not any(tuple(b.seq.tokens[len(PROMPT) :]) in in_catalog for b in beams)

@@ -4,7 +4,7 @@ Each beam's request returns its top log-probs *after* the catalog mask
 (:mod:`.catalog_processor`), so its row already holds its trie node's best
 children with their true log-probs, plus the mask's sink and the sampled
 token. The step keeps each beam's legal candidates (its node's children; at
-a leaf, EOS unless the request ignores it), best ``2 * width`` first, ties
+a leaf, EOS unless the request ignores it), best ``row_size`` first, ties
 to the lower token id, and applies :func:`~vllm_kvreuse.beam.policy.expand`.
 This is the rule of the dense reference
 (:mod:`vllm_kvreuse.testing.catalog_reference`, tested against a
@@ -42,7 +42,8 @@ def legal_rows(
     rows: Sequence[Row | Mapping[int, float]],
     config: BeamConfig,
 ) -> list[Row]:
-    """Each beam's legal candidates, best ``2 * width`` first (ties: lower id)."""
+    """Each beam's legal candidates, best ``config.row_size`` first (ties:
+    lower id)."""
     arrays = [row if isinstance(row, Row) else Row.of(row) for row in rows]
     counts = [len(row) for row in arrays]
     if not sum(counts):
@@ -57,7 +58,7 @@ def legal_rows(
         leaf = catalog.is_leaf(nodes).cpu()
         legal |= leaf & (token_ids == config.eos_token_id)
     ok = legal.numpy() & (values > -np.inf)
-    limit, start, kept = 2 * config.width, 0, []
+    limit, start, kept = config.row_size, 0, []
     for count in counts:
         keep = start + np.flatnonzero(ok[start : start + count])
         start += count

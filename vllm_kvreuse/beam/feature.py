@@ -235,7 +235,9 @@ class EngineBeamSearch(Feature):
         logprobs = out.new_logprobs
         assert logprobs is not None
         group.results[out.request_id] = logprob_row(
-            logprobs.logprob_token_ids[0], logprobs.logprobs[0], group.config.width
+            logprobs.logprob_token_ids[0],
+            logprobs.logprobs[0],
+            group.config.num_logprobs,
         )
         if len(group.results) == len(group.beams):
             self._ready[group.root.request_id] = group

@@ -147,7 +147,7 @@ def root_sampling_params(
     if (parent := getattr(params, PARENT_ATTR, None)) is not None:
         internal[PARENT] = parent
     return SamplingParams(
-        logprobs=2 * params.beam_width + catalog,
+        logprobs=config.num_logprobs,
         max_tokens=1,
         temperature=0.0 if catalog else params.temperature,
         watermarking=False,

@@ -2,7 +2,8 @@
 
 Free of scheduler state. Each live beam offers the tokens of its top
 ``2 * width`` log-probabilities (the sampled token first, as vLLM's sampler
-puts it, duplicates counted once); a candidate ending in EOS completes a beam
+puts it, duplicates counted once; ``width`` suffice when no candidate can end
+a beam, :attr:`BeamConfig.row_size`); a candidate ending in EOS completes a beam
 unless ``ignore_eos``; the other candidates compete by cumulative log-prob and
 the best ``width`` live on. Ties are broken exactly as the front end breaks
 them: candidates are listed beam by beam in that token order and ranked with
@@ -84,6 +85,30 @@ class BeamConfig:
             )
         return config
 
+    @property
+    def row_size(self) -> int:
+        """How many top log-probs each beam's request returns for a step.
+
+        vLLM's rule offers each beam's top ``2 * width`` candidates: EOS among
+        them completes a beam, the rest compete for ``width`` places. When no
+        candidate can end a beam (``ignore_eos``, or no EOS) a row's top
+        ``width`` select the same beams: a candidate below its own row's
+        ``width``-th best has ``width`` better ones in that row alone, so it
+        is never kept (up to exact ties at that boundary). Half the log-probs
+        halve the sampler's top-k, vLLM's per-row log-prob lists and the
+        ranking; semantic-ID stage 2 runs this way (fixed-length items,
+        ``ignore_eos``).
+        """
+        if self.eos_token_id is None or self.ignore_eos:
+            return self.width
+        return 2 * self.width
+
+    @property
+    def num_logprobs(self) -> int:
+        """The ``logprobs`` each beam's request asks vLLM for: ``row_size``,
+        plus the catalog mask's sink, which may take one of the places."""
+        return self.row_size + int(self.sid_catalog)
+
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
 
@@ -141,17 +166,19 @@ class Row:
 def logprob_row(
     token_ids: Sequence[int] | np.ndarray,
     logprobs: Sequence[float] | np.ndarray,
-    width: int,
+    size: int,
 ) -> Row:
     """The (token, logprob) pairs the front end sees for one position: the
-    first ``2 * width + 1``, a repeated token (the sampled one, which the
-    sampler puts first and which recurs in the top-k) kept at its first place.
+    first ``size + 1`` (``size`` is :attr:`BeamConfig.num_logprobs`; a batch's
+    rows are as wide as its widest request's), a repeated token (the sampled
+    one, which the sampler puts first and which recurs in the top-k) kept at
+    its first place.
 
     Only the sampled token can repeat (top-k tokens are distinct), so one
     comparison against it replaces a sort-based dedup (a wide step reads
-    ``2 * width`` rows of ``2 * width + 1``).
+    ``width`` rows of ``size + 1``).
     """
-    n = 2 * width + 1
+    n = size + 1
     tokens = np.asarray(token_ids[:n], dtype=np.int64)
     values = np.asarray(logprobs[:n], dtype=np.float64)
     if len(tokens) > 1:
