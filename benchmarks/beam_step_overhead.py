@@ -10,9 +10,14 @@ runs, in the same engine:
 - *decode*: W ordinary requests on a prompt of the same length, greedy, no
   log-probs, ``--steps`` tokens past warm-up: vLLM decoding W running
   requests;
-- *decode+lp*: the same, each request asking for the ``2 * W`` log-probs a
-  beam needs (what any beam search pays in the sampler; its frontend cost,
-  W x 2W ``Logprob`` objects a step, is left out of its ratio).
+- *decode+lp*: the same, each request asking for the log-probs a beam asks
+  for (``W``; ``2 * W`` with ``--eos``: what any beam search pays in the
+  sampler; its frontend cost, W x 2W ``Logprob`` objects a step, is left out
+  of its ratio).
+
+Beams ignore EOS, as semantic-ID stage 2 does (items have a fixed length), so
+each member asks for its top ``W`` log-probs (``BeamConfig.row_size``);
+``--eos`` lets beams end at EOS, vLLM's rule, with rows of ``2 * W``.
 
 Each ``LLMEngine.step`` is timed whole and by part; the model is the
 model's forward plus ``compute_logits`` (module hooks, so both runners are
@@ -226,6 +231,11 @@ def main() -> None:
     parser.add_argument(
         "--show-steps", action="store_true", help="print every step's shape"
     )
+    parser.add_argument(
+        "--eos",
+        action="store_true",
+        help="beams may end at EOS (rows of 2 x W log-probs); default: ignore_eos",
+    )
     args = parser.parse_args()
     if args.runner == "v2":
         use_v2_runner()
@@ -258,7 +268,9 @@ def main() -> None:
         return [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
 
     def beams(width: int) -> list[Step]:
-        params = BeamSearchParams(beam_width=width, max_tokens=args.steps + 1)
+        params = BeamSearchParams(
+            beam_width=width, max_tokens=args.steps + 1, ignore_eos=not args.eos
+        )
         llm.beam_search([{"prompt_token_ids": prompt()}], params)
         return keep(timers.take(), lambda s: s.members == s.rows == s.tokens == width)
 
@@ -299,7 +311,8 @@ def main() -> None:
             runs["beams"] += beams(width)
             runs["decode"] += decode(width)
             if width <= args.lp_max_width:
-                runs["decode+lp"] += decode(width, logprobs=2 * width)
+                lp = 2 * width if args.eos else width
+                runs["decode+lp"] += decode(width, logprobs=lp)
         print(f"\nW = {width:<11}{header}")
         result = {}
         for mode, steps in runs.items():

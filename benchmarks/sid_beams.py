@@ -86,6 +86,7 @@ async def beam(
     body = {
         "model": SERVED_MODEL, "prompt": prompt(i, args), "max_tokens": 3,
         "use_beam_search": True, "n": width, "return_token_ids": True,
+        "ignore_eos": True,  # an item is 3 tokens: EOS cannot end one
     }  # fmt: skip
     if mode == "catalog":
         body["sid_catalog"] = True
@@ -153,7 +154,7 @@ async def two_stage(
     parent = response.json()
     second = {
         "model": SERVED_MODEL, "max_tokens": 3, "use_beam_search": True,
-        "n": width, "return_token_ids": True,
+        "n": width, "return_token_ids": True, "ignore_eos": True,
     }  # fmt: skip
     if mode == "catalog":
         second |= {

@@ -106,6 +106,7 @@ async def stage2(client: httpx.AsyncClient, mode: str, prompt: str, s1: dict, ar
     body = {
         "model": SERVED_MODEL, "max_tokens": 3, "n": args.beam_width,
         "use_beam_search": True, "temperature": 0.0,
+        "ignore_eos": True,  # a semantic ID is 3 tokens: EOS cannot end one
     }  # fmt: skip
     if mode == "text":
         body["prompt"] = prompt + s1["text"] + SUFFIX
