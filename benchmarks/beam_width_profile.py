@@ -40,6 +40,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--plain", action="store_true", help="vLLM's own beam search")
     parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="beams never end at EOS (semantic-ID stage 2): rows of W, not 2 x W",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also time per-step member requests (the design before live beams)",
@@ -69,13 +74,16 @@ def main() -> None:
     def search(width: int) -> float:
         rng = random.Random(next(numbers))
         tokens = [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
-        params = BeamSearchParams(beam_width=width, max_tokens=args.max_tokens)
+        params = BeamSearchParams(
+            beam_width=width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
+        )
         start = time.perf_counter()
         llm.beam_search([{"prompt_token_ids": tokens}], params)
         return time.perf_counter() - start
 
     mode = "vLLM's beam search" if args.plain else "engine beam search"
-    print(f"{mode}, {args.model}, {args.prompt_tokens}-token prompts")
+    rows = "ignore_eos" if args.ignore_eos else "EOS ends beams"
+    print(f"{mode}, {args.model}, {args.prompt_tokens}-token prompts, {rows}")
 
     def per_step(on: bool) -> None:
         # Benchmark-only switch: the feature's own check, answered "no".
