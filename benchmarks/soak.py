@@ -100,7 +100,7 @@ def main() -> int:
     with start_server(args.model, log, config.topology) as server:
         result = asyncio.run(run_soak(server, config))
     summary = summarize(result, log)
-    command = shlex.join(["python", "benchmarks/soak.py", *sys.argv[1:]])
+    command = shlex.join([".venv/bin/python", "benchmarks/soak.py", *sys.argv[1:]])
     markdown = to_markdown(summary, command)
     print(markdown)
     write_results(args.out, markdown)
