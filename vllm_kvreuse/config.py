@@ -51,6 +51,15 @@ def parse_seconds(value: Any, name: str) -> float:
     return number
 
 
+def parse_tokens(value: Any, name: str) -> int:
+    """Returns ``value`` as a token count in [0, 4096] (ints or digit strings)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= 4096:
+        raise ValueError(f"{name} must be a whole number of tokens in [0, 4096]")
+    return value
+
+
 def parse_bool(value: Any, name: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -238,6 +247,22 @@ OPTIONS += (
         "question instead of loaded from the store (0: load every chunk; 1: "
         "full attention).",
     ),
+    Option(
+        "chunk_recompute_head",
+        parse_tokens,
+        0,
+        "Tokens at the start of every chunk but the first that are recomputed "
+        "with the real preceding context instead of loaded (EPIC); each "
+        "recomputed run costs the request one engine step.",
+    ),
+    Option(
+        "chunk_recompute_select",
+        parse_fraction,
+        0.0,
+        "Share of a chunked prompt's chunk tokens recomputed with full "
+        "attention, spent on the chunks that share the most rare tokens with "
+        "the question, each from its start (0: off).",
+    ),
 )
 OPTIONS += (
     Option(
@@ -269,6 +294,8 @@ class KVReuseConfig:
     chunk_cache_hash: str = ""
     chunk_attention: str = "isolated"
     chunk_recompute_fraction: float = 0.0
+    chunk_recompute_head: int = 0
+    chunk_recompute_select: float = 0.0
     sid_catalog: str = ""
 
     @classmethod

@@ -14,11 +14,16 @@ lengths of its chunks (every segment but the question). On arrival:
    (:func:`~.keys.chunked_salt`), so blocks holding chunk KV never match an
    ordinary request;
 4. vLLM then loads every chunk into the request's blocks (re-rotated) and
-   prefills only the question, once every chunk is stored. With
-   ``--chunk-recompute-fraction`` the chunks' last tokens are not loaded
-   but prefilled with the question: vLLM computes a contiguous suffix
-   ``[num_computed, prompt)``, so a recomputed tail is the one shape of
-   partial recompute that needs no attention mask.
+   prefills only the question, once every chunk is stored.
+5. With recomputed spans (:mod:`.recompute`: chunk heads, chunks chosen by
+   the question, a tail) the prefill is *segmented*: each step loads one
+   region and computes the span after it (:meth:`cap_new_tokens` ends the
+   step there), and between steps :meth:`before_schedule` moves the request
+   past the next region, which the connector loads in that same step. Each
+   span is a contiguous prefill of vLLM's own, with exact causality, on
+   every backend and both runners; the moved request is sent to its workers
+   whole (``core.reseats.resend``: both runners take a known request's new
+   state from ``scheduled_new_reqs``).
 
 If room cannot be reserved (a chunk larger than the store, or a store full
 of pinned chunks), the request runs as an ordinary request: never an error.
@@ -31,10 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.connector import KVReuseChunkConnector
-from vllm_kvreuse.chunk_cache.keys import chunked_salt
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.plan import FillSpec
 from vllm_kvreuse.core.feature import Feature
@@ -85,15 +89,15 @@ class ChunkCache(Feature):
                 request.request_id,
             )
             return
-        _, fills, uncached = planned
+        plan, fills, uncached = planned
         self._start_fills(request, fills)
-        salt = chunked_salt(request.cache_salt, self.side.attention, lengths)
-        self._rehash(request, salt)
+        self._rehash(request, self.side.block_salt(plan, lengths))
         if uncached:
             self._uncached[request.request_id] = uncached
 
     def on_preempt(self, request: Request) -> None:
         """A preempted chunked request loads its chunks again when resumed."""
+        self.side.forget_load(request.request_id)
         self._plan_again(request)
 
     def on_finish(self, request: Request) -> None:
@@ -105,9 +109,17 @@ class ChunkCache(Feature):
         """Stored chunks past the local hit count as hits (threshold check)."""
         return self.side.stored_tokens_past(request.request_id, num_local)
 
+    def cap_new_tokens(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """A segmented request's step ends where its recomputed span does."""
+        stop = self.side.compute_stop(request.request_id, num_computed_tokens)
+        return num_new_tokens if stop is None else stop - num_computed_tokens
+
     # -- steps -----------------------------------------------------------------
 
     def before_schedule(self) -> None:
+        self._advance_segments()
         if not self._replan:
             return
         replan, self._replan = self._replan, set()
@@ -149,6 +161,19 @@ class ChunkCache(Feature):
         return self.side.admin(action, *args)
 
     # -- helpers ---------------------------------------------------------------
+
+    def _advance_segments(self) -> None:
+        """Moves each running segmented request past the load region it has
+        reached; the region is loaded in the step that next schedules it."""
+        requests = self.core.scheduler.requests
+        for request_id, plan in self.side.plans.items():
+            if not plan.spans:
+                continue
+            request = requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if self.side.advance(request):
+                self.core.reseats.resend(request_id)
 
     def _plan_again(self, request: Request) -> None:
         """Re-pins ``request``'s chunks and re-fills the missing ones; with no

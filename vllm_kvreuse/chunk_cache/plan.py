@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from vllm_kvreuse.chunk_cache.keys import ChunkKey
+from vllm_kvreuse.chunk_cache.recompute import Span
 from vllm_kvreuse.chunk_cache.store import StoreOp
 
 
@@ -29,26 +30,65 @@ class ChunkPlan:
     """A chunked request's chunks, laid end to end from position 0.
 
     ``pinned``: the plan holds one pin on each chunk's store entry, from
-    planning until the request's load is built (or it finishes).
-    ``recompute``: the chunks' last tokens that are not loaded but prefilled
-    with the question, with full attention (``--chunk-recompute-fraction``);
-    loads cover ``[0, load_end)`` only.
+    planning until the request's last load is built (or it finishes).
+    ``spans``: sorted disjoint ranges of chunk positions the request
+    recomputes (:mod:`.recompute`); every other chunk position is a *load
+    region*, filled from the store. The request alternates: load a region,
+    compute the span after it, load the next, up to the question, each
+    computed span a contiguous prefill with exact causality.
     """
 
     chunks: list[PlannedChunk]
     user_salt: str | None = None  # the request's own cache_salt
     pinned: bool = True
-    recompute: int = 0
+    spans: list[Span] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         last = self.chunks[-1]
         return last.start + last.length
 
+    def load_regions(self) -> list[Span]:
+        """The positions loaded from the store: ``[0, end)`` less the spans."""
+        regions, pos = [], 0
+        for start, stop in [*self.spans, (self.end, self.end)]:
+            if start > pos:
+                regions.append((pos, start))
+            pos = stop
+        return regions
+
     @property
-    def load_end(self) -> int:
-        """First position vLLM prefills itself (the question's, or earlier)."""
-        return self.end - self.recompute
+    def last_load_end(self) -> int:
+        """End of the last load region (0 when nothing is loaded)."""
+        regions = self.load_regions()
+        return regions[-1][1] if regions else 0
+
+    def load_stop(self, pos: int) -> int:
+        """End of the load region holding ``pos``; ``pos`` if none does."""
+        for start, stop in self.load_regions():
+            if start <= pos < stop:
+                return stop
+        return pos
+
+    def compute_stop(self, pos: int) -> int | None:
+        """Where a prefill from ``pos`` must stop: the end of the span
+        holding ``pos``, ``pos`` itself inside a load region (load first),
+        None past the chunks or in a span that reaches them (no limit)."""
+        if pos >= self.end:
+            return None
+        for start, stop in self.spans:
+            if start <= pos < stop:
+                # A span that ends the chunks runs on into the question.
+                return stop if stop < self.end else None
+        return pos
+
+    def num_loaded(self, begin: int = 0, limit: int | None = None) -> int:
+        """Loaded positions in ``[begin, limit)`` (limit: the chunks' end)."""
+        limit = self.end if limit is None else limit
+        return sum(
+            max(0, min(stop, limit) - max(start, begin))
+            for start, stop in self.load_regions()
+        )
 
 
 @dataclass(frozen=True, slots=True)

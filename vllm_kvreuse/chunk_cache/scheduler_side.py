@@ -15,6 +15,13 @@ for a fill, and a fill never waits for blocks such a request holds. A fill
 that ends without saving its chunk (aborted, failed) leaves its waiters
 planless for that chunk: :meth:`fill_finished` returns them to be planned
 again (a new fill, or the ordinary path if the store cannot take it).
+
+Segments: a plan with recomputed spans loads its first region on admission
+(the connector's external tokens) and every later region between two steps
+(:meth:`advance` moves the running request's computed count past it, and the
+region's load goes out with the step that computes the span after it).
+:meth:`compute_stop` caps each step's prefill at the span's end, so every
+computed span is a contiguous prefill with exact causality.
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.chunk_cache.keys import chunk_key, key_hasher, model_identity
+from vllm_kvreuse.chunk_cache import store_admin
+from vllm_kvreuse.chunk_cache.keys import (
+    chunk_key,
+    chunked_salt,
+    key_hasher,
+    model_identity,
+)
 from vllm_kvreuse.chunk_cache.plan import (
     ChunkMeta,
     ChunkPlan,
@@ -33,6 +46,7 @@ from vllm_kvreuse.chunk_cache.plan import (
     PlannedChunk,
     SaveSpec,
 )
+from vllm_kvreuse.chunk_cache.recompute import Recompute, choose_spans
 from vllm_kvreuse.chunk_cache.stats import COUNTERS
 from vllm_kvreuse.chunk_cache.store import ChunkIndex
 from vllm_kvreuse.config import KVReuseConfig
@@ -52,7 +66,11 @@ class ChunkScheduler:
         settings = KVReuseConfig.from_vllm_config(vllm_config)
         self.block_size = block_size
         self.mode = settings.chunk_attention
-        self.recompute_fraction = settings.chunk_recompute_fraction
+        self.recompute = Recompute(
+            head=settings.chunk_recompute_head,
+            select=settings.chunk_recompute_select,
+            tail=settings.chunk_recompute_fraction,
+        )
         self._hasher = key_hasher(vllm_config, settings.chunk_cache_hash)
         self._identity = model_identity(vllm_config, self.mode)
         kv_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
@@ -66,18 +84,20 @@ class ChunkScheduler:
         )
         self.plans: dict[str, ChunkPlan] = {}
         self.fills: dict[str, tuple[FillSpec, Request]] = {}  # by fill request id
-        self._loads: dict[str, int] = {}  # request id -> first position to load
+        # request id -> the load region [start, stop) its next scheduled step
+        # loads (set on admission, or by advance() between steps)
+        self._loads: dict[str, tuple[int, int]] = {}
+        self._offered: dict[str, int] = {}  # request id -> end of the offered load
         self._kv_cache_manager: KVCacheManager | None = None
-        self._admin_pins: set[bytes] = set()
+        self.admin_pins: set[bytes] = set()
         self._reported: dict[str, int] = {}
 
-    @property
-    def attention(self) -> str:
-        """What a chunked request's blocks hold, for their cache salt: the
-        mode, and the recomputed share when there is one."""
-        if not self.recompute_fraction:
-            return self.mode
-        return f"{self.mode}+recompute{self.recompute_fraction!r}"
+    def block_salt(self, plan: ChunkPlan, lengths: list[int]) -> str:
+        """The cache salt of a chunked request's blocks: their values depend
+        on the mode, the segment lengths and which spans were recomputed."""
+        spans = ";".join(f"{a}-{b}" for a, b in plan.spans)
+        attention = f"{self.mode}+{spans}" if spans else self.mode
+        return chunked_salt(plan.user_salt, attention, lengths)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -87,8 +107,13 @@ class ChunkScheduler:
     def key_salt(self, cache_salt: str | None, lora_request: Any) -> str:
         return "|".join((cache_salt or "", getattr(lora_request, "lora_name", "")))
 
+    def key_of(self, cache_salt: str | None, context: Any, tokens: Any) -> bytes:
+        """The store key of ``tokens`` computed after ``context``."""
+        salt = self.key_salt(cache_salt, None)
+        return chunk_key(self._hasher, self._identity, salt, context, tokens)
+
     def plan(
-        self, request: Request, lengths: list[int]
+        self, request: Request, lengths: list[int], recompute: Recompute | None = None
     ) -> tuple[ChunkPlan, list[FillSpec], int] | None:
         """Keys, pins and reservations for ``request``: its plan, the fills it
         needs, and how many of its chunk tokens were not stored yet. None,
@@ -104,9 +129,10 @@ class ChunkScheduler:
             key = chunk_key(self._hasher, self._identity, salt, context, tokens)
             chunks.append(PlannedChunk(key, start, length, virtual_start=len(context)))
             start += length
-        recompute = round(self.recompute_fraction * start)
+        spans = choose_spans(prompt, lengths, recompute or self.recompute)
+        plan = ChunkPlan(chunks, user_salt=request.cache_salt, spans=spans)
         stored = [
-            _overlap(chunk, start - recompute)
+            plan.num_loaded(chunk.start, chunk.start + chunk.length)
             for chunk in chunks
             if (entry := self.index.get(chunk.key)) is not None and entry.ready
         ]
@@ -119,9 +145,8 @@ class ChunkScheduler:
         stats.hit_tokens += sum(stored)
         stats.misses += len(fills)
         stats.miss_tokens += sum(fill.length for fill in fills)
-        plan = ChunkPlan(chunks, user_salt=request.cache_salt, recompute=recompute)
         self.plans[request.request_id] = plan
-        return plan, fills, plan.load_end - sum(stored)
+        return plan, fills, plan.num_loaded() - sum(stored)
 
     def hold_chunks(
         self, prompt: list[int], chunks: list[PlannedChunk]
@@ -211,15 +236,43 @@ class ChunkScheduler:
 
     def stored_tokens_past(self, request_id: str, num_local: int) -> int | None:
         """Tokens of stored chunks past ``num_local`` that the request loads
-        (before its recomputed tail); None without a plan."""
+        (recomputed spans excluded); None without a plan."""
         plan = self.plans.get(request_id)
         if plan is None:
             return None
         return sum(
-            max(0, _overlap(chunk, plan.load_end) - _overlap(chunk, num_local))
+            plan.num_loaded(max(num_local, chunk.start), chunk.start + chunk.length)
             for chunk in plan.chunks
             if (entry := self.index.get(chunk.key)) is not None and entry.ready
         )
+
+    def compute_stop(self, request_id: str, num_computed: int) -> int | None:
+        """Where a prefill of ``request_id`` from ``num_computed`` must stop
+        (the end of its recomputed span); None: no limit."""
+        plan = self.plans.get(request_id)
+        if plan is None or not plan.spans:
+            return None
+        return plan.compute_stop(num_computed)
+
+    def advance(self, request: Request) -> bool:
+        """Moves a running segmented request past the load region it stands
+        at: its computed count jumps to the region's end and the region is
+        loaded in the next step that schedules it. True if it moved (its
+        workers must then get its whole state again)."""
+        plan = self.plans.get(request.request_id)
+        if plan is None or not plan.spans or request.request_id in self._loads:
+            return False
+        start = request.num_computed_tokens
+        stop = plan.load_stop(start)
+        if stop == start or not start:
+            return False  # not in a load region, or not admitted yet
+        self._loads[request.request_id] = (start, stop)
+        request.num_computed_tokens = stop
+        return True
+
+    def forget_load(self, request_id: str) -> None:
+        """A preempted request's pending load: its blocks are gone."""
+        self._loads.pop(request_id, None)
 
     # -- vLLM's connector calls -------------------------------------------------------
 
@@ -227,31 +280,38 @@ class ChunkScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         plan = self.plans.get(request.request_id)
-        if plan is None or num_computed_tokens >= plan.load_end:
+        if plan is None or num_computed_tokens >= plan.last_load_end:
             return 0, False
         if not self.is_ready(plan):
             return None, False  # a fill is still running: wait, holding nothing
-        return plan.load_end - num_computed_tokens, False
+        stop = plan.load_stop(num_computed_tokens)
+        # Upstream loads what is offered here from num_computed_tokens on,
+        # and tells update_state_after_alloc only how many.
+        self._offered[request.request_id] = stop
+        return stop - num_computed_tokens, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        plan = self.plans.get(request.request_id)
-        if plan is not None and num_external_tokens:
-            self._loads[request.request_id] = plan.load_end - num_external_tokens
+        stop = self._offered.pop(request.request_id, None)
+        if stop is not None and num_external_tokens:
+            self._loads[request.request_id] = (stop - num_external_tokens, stop)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkMeta:
         meta = ChunkMeta()
         if self._loads:
-            for request_id, start in self._loads.items():
+            scheduled = scheduler_output.num_scheduled_tokens
+            for request_id in [r for r in self._loads if r in scheduled]:
+                start, stop = self._loads.pop(request_id)
                 plan = self.plans[request_id]
+                blocks = self._block_ids(request_id)
                 meta.loads.append(
-                    LoadSpec(
-                        request_id, self._block_ids(request_id), _pieces(plan, start)
-                    )
+                    LoadSpec(request_id, blocks, _pieces(plan, start, stop))
                 )
-                self._unpin(plan)
-            self._loads.clear()
+                if stop >= plan.last_load_end:
+                    self._unpin(plan)
+            if meta.loads:  # a running request's load feeds this step's forward
+                scheduler_output.has_sync_kv_loads = True
         if self.fills:
             self._add_saves(meta, scheduler_output.num_scheduled_tokens)
         if self.index.pending_ops:
@@ -272,6 +332,7 @@ class ChunkScheduler:
 
     def request_finished(self, request: Request) -> None:
         self._loads.pop(request.request_id, None)
+        self._offered.pop(request.request_id, None)
         self.drop_plan(request.request_id)
 
     # -- stats and admin -------------------------------------------------------
@@ -310,50 +371,9 @@ class ChunkScheduler:
         self._reported = now
         return data
 
-    def admin(
-        self,
-        action: str,
-        token_ids: list[int] | None = None,
-        system_token_ids: list[int] | None = None,
-        cache_salt: str | None = None,
-    ) -> dict[str, Any]:
-        """The admin endpoint's actions: stats, clear, pin, unpin.
-
-        ``pin`` holds a stored chunk (``token_ids``, after
-        ``system_token_ids`` in "system" mode) against eviction until
-        ``unpin``; an admin pin is counted once however often it is asked.
-        """
-        index = self.index
-        if action == "clear":
-            return {"evicted": index.clear()}
-        if action in ("pin", "unpin"):
-            if not token_ids:
-                raise ValueError("token_ids must list the chunk's token ids")
-            context = system_token_ids or [] if self.mode == "system" else []
-            key = chunk_key(
-                self._hasher, self._identity, self.key_salt(cache_salt, None),
-                context, token_ids,
-            )  # fmt: skip
-            entry = index.get(key)
-            if entry is None or not entry.ready:
-                return {"found": False}
-            if action == "pin" and key not in self._admin_pins:
-                self._admin_pins.add(key)
-                index.pin(key)
-            elif action == "unpin" and key in self._admin_pins:
-                self._admin_pins.discard(key)
-                index.unpin(key)
-            return {"found": True, "pinned": entry.pins > 0}
-        if action != "stats":
-            raise ValueError(f"unknown chunk-cache action {action!r}")
-        stats = self.snapshot()
-        looked_up = stats["hits"] + stats["misses"]
-        return {
-            **stats,
-            "hit_rate": stats["hits"] / looked_up if looked_up else 0.0,
-            "device_capacity_bytes": index.capacity["device"],
-            "cpu_capacity_bytes": index.capacity["cpu"],
-        }
+    def admin(self, action: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The admin endpoint's actions (:func:`.store_admin.run`)."""
+        return store_admin.run(self, action, *args, **kwargs)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -373,12 +393,12 @@ def _overlap(chunk: PlannedChunk, end: int) -> int:
     return max(0, min(chunk.length, end - chunk.start))
 
 
-def _pieces(plan: ChunkPlan, start: int) -> list[Piece]:
-    """The parts of ``plan``'s chunks in ``[start, plan.load_end)``."""
+def _pieces(plan: ChunkPlan, start: int, stop: int) -> list[Piece]:
+    """The parts of ``plan``'s chunks in ``[start, stop)``."""
     pieces = []
     for chunk in plan.chunks:
         skip = _overlap(chunk, start)
-        count = _overlap(chunk, plan.load_end) - skip
+        count = _overlap(chunk, stop) - skip
         if count <= 0:
             continue
         pieces.append(

@@ -41,6 +41,7 @@ HOOKS: dict[str, HookKind] = {
     "release_under_pressure": "broadcast",
     "reset_cache": "broadcast",
     "extra_hit_tokens": "exclusive",
+    "cap_new_tokens": "exclusive",
     "waiting_summary": "broadcast",
 }
 """Every hook, by kind; the layer calls them in this vocabulary only."""
@@ -83,6 +84,14 @@ class Feature:
         """Tokens past ``num_local`` (its local hit) whose KV this feature will
         supply without computing them; None if the feature has no say."""
         return None
+
+    def cap_new_tokens(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """How many of the ``num_new_tokens`` upstream would schedule for
+        ``request`` from ``num_computed_tokens`` it may compute this step (a
+        smaller number splits its prefill there); 0 skips it this step."""
+        return num_new_tokens
 
     # -- steps -----------------------------------------------------------------
 

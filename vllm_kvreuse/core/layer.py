@@ -115,6 +115,27 @@ class KVReuseLayer(Scheduler):
             return ledger.extend_into_tail(request, hit) or hit
         return hit
 
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """Upstream's last per-request cap on a step's new tokens, on both
+        the running and the waiting path: features may split a prefill
+        further (the chunk cache ends a step at a recomputed span's end)."""
+        num_new_tokens = super()._reserve_prefill_lookahead(
+            request, num_computed_tokens, num_new_tokens
+        )
+        for feature in self._hooks["cap_new_tokens"]:
+            try:
+                capped = feature.cap_new_tokens(
+                    request, num_computed_tokens, num_new_tokens
+                )
+            except Exception as e:
+                logger.exception("vllm-kvreuse: %s.cap_new_tokens raised", feature.name)
+                self.kvreuse.fail(request.request_id, f"{feature.name}: {e}")
+                continue
+            num_new_tokens = max(0, min(num_new_tokens, capped))
+        return num_new_tokens
+
     def num_cache_hit_tokens(self, request: Request) -> int | None:
         """Tokens of ``request`` whose KV it would not compute; None while a
         KV connector cannot tell yet. Pure lookup: nothing is referenced.

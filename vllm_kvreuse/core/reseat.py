@@ -210,6 +210,11 @@ class Reseats:
             self.pending.discard(request.request_id)
         _drop_rows(cached, set(picked))
 
+    def resend(self, request_id: str) -> None:
+        """The workers' copy of a running request is stale (a feature moved
+        its computed count): send it whole the next time it is scheduled."""
+        self.pending.add(request_id)
+
     def copies_queued(self) -> bool:
         """Tail copies wait for the next ``schedule()``, which drains them
         and drops their endpoints' extra references."""

@@ -111,6 +111,10 @@ SCHEDULER_OVERRIDES: dict[str, dict[str, str]] = {
         "dict[int, vllm.v1.engine.EngineCoreOutputs]"
     },
     "has_requests": {V0_32_0: "(self) -> bool"},
+    "_reserve_prefill_lookahead": {
+        V0_32_0: "(self, request: vllm.v1.request.Request, num_computed_tokens: "
+        "int, num_new_tokens: int) -> int"
+    },
     "reset_prefix_cache": {
         V0_32_0: "(self, reset_running_requests: bool = False, "
         "reset_connector: bool = False) -> bool"

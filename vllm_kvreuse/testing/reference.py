@@ -7,6 +7,8 @@ running the model in transformers as a reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -38,3 +40,68 @@ def chunk_attention_mask(
     mask = torch.zeros(total, total)
     mask[~allowed] = torch.finfo(torch.float32).min
     return mask[None, None]
+
+
+@torch.no_grad()
+def segmented_reference(
+    model: Any,
+    token_ids: list[int],
+    lengths: list[int],
+    spans: list[tuple[int, int]],
+    steps: int,
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and first-step log-probs of a chunked prompt whose
+    ``spans`` are recomputed, the rest of its chunks loaded ("isolated"
+    mode), built with the model's own KV cache and no mask of ours.
+
+    A loaded position's KV is the one its chunk computes alone (at its
+    actual positions: within a chunk, RoPE attention depends only on
+    relative positions, so this equals stored KV re-rotated); a recomputed
+    span and the question are run with the cache built so far, so each of
+    their rows attends causally to everything before it, loaded rows as
+    stored. Every step of the chunk cache's segmented prefill, in one place.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    end = sum(lengths)
+    pos = 0
+    for span_start, span_stop in [*spans, (end, end)]:
+        for chunk_start, length in zip(starts, lengths, strict=True):
+            a, b = max(pos, chunk_start), min(span_start, chunk_start + length)
+            if a < b:  # a load: this chunk computed alone
+                chunk = slice(chunk_start, chunk_start + length)
+                alone = model(
+                    input_ids=torch.tensor([token_ids[chunk]]),
+                    position_ids=torch.arange(chunk.start, chunk.stop)[None],
+                    use_cache=True,
+                ).past_key_values
+                for number, layer in enumerate(alone.layers):
+                    cut = slice(a - chunk_start, b - chunk_start)
+                    cache.update(layer.keys[:, :, cut], layer.values[:, :, cut], number)
+        if span_start < span_stop:
+            model(
+                input_ids=torch.tensor([token_ids[span_start:span_stop]]),
+                position_ids=torch.arange(span_start, span_stop)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+        pos = span_stop
+    generated: list[int] = []
+    first_logprobs = None
+    feed, at = token_ids[end:], end
+    for _ in range(steps):
+        logits = model(
+            input_ids=torch.tensor([feed]),
+            position_ids=torch.arange(at, at + len(feed))[None],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[0, -1]
+        if first_logprobs is None:
+            first_logprobs = torch.log_softmax(logits, dim=-1)
+        at += len(feed)
+        feed = [int(logits.argmax())]
+        generated.append(feed[0])
+    assert first_logprobs is not None
+    return generated, first_logprobs

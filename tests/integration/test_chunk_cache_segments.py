@@ -1,0 +1,88 @@
+"""Segmented prefill: chunk tokens recomputed in the request, not a suffix.
+
+Each test checks the engine against the Hugging Face model run step by step
+with its own KV cache (:func:`~vllm_kvreuse.testing.reference.segmented_reference`):
+loaded rows as stored, recomputed rows attending causally to everything
+before them. One chunk-cache engine per test (one per process at a time).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE
+from tests.integration.chunks import (
+    DOC_A,
+    DOC_B,
+    QUESTION,
+    SYSTEM,
+    chunk_cache_llm,
+    generate,
+    index_of,
+)
+from tests.integration.conftest import num_free_blocks, scheduler_of
+from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
+from vllm_kvreuse.chunk_cache.recompute import Recompute, choose_spans
+from vllm_kvreuse.testing.reference import segmented_reference
+
+STEPS = 6
+# The question names tokens of DOC_B: question-driven selection picks it.
+ABOUT_B = QUESTION + DOC_B[5:8]
+
+
+def _check(llm, hf_model, segments: list[list[int]], settings: Recompute) -> None:
+    token_ids, lengths = chunked_prompt(segments)
+    spans = choose_spans(token_ids, lengths, settings)
+    assert spans, "the settings must recompute something"
+    expected, logprobs = segmented_reference(
+        hf_model, token_ids, lengths, spans, STEPS
+    )
+    out = generate(llm, segments, max_tokens=STEPS)
+    assert list(out.outputs[0].token_ids) == expected
+    for token, entry in out.outputs[0].logprobs[0].items():
+        assert abs(entry.logprob - float(logprobs[token])) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("flags", "settings"),
+    [
+        ({"chunk_recompute_head": 8}, Recompute(head=8)),
+        ({"chunk_recompute_select": 0.3}, Recompute(select=0.3)),
+        (
+            {
+                "chunk_recompute_head": 4,
+                "chunk_recompute_select": 0.2,
+                "chunk_recompute_fraction": 0.1,
+            },
+            Recompute(head=4, select=0.2, tail=0.1),
+        ),
+    ],
+    ids=["head", "select", "head+select+tail"],
+)
+def test_recomputed_spans_match_the_hf_reference(
+    model_dir: str, hf_model, flags: dict, settings: Recompute
+) -> None:
+    """Cold (fills, then segments) and warm in another order, both equal
+    the reference; the pool is back where it started."""
+    with chunk_cache_llm(model_dir, **flags) as llm:
+        free = num_free_blocks(llm)
+        _check(llm, hf_model, [SYSTEM, DOC_A, DOC_B, ABOUT_B], settings)
+        hits = index_of(llm).stats.hit_tokens
+        _check(llm, hf_model, [SYSTEM, DOC_B, DOC_A, ABOUT_B], settings)
+        assert index_of(llm).stats.hit_tokens > hits
+        assert num_free_blocks(llm) == free
+
+
+def test_a_segmented_request_sent_again_hits_the_prefix_cache(
+    model_dir: str, hf_model
+) -> None:
+    """Its blocks (loaded and recomputed) are hashed under a salt naming the
+    spans: the same request finds them all, another split finds none."""
+    with chunk_cache_llm(model_dir, chunk_recompute_head=8) as llm:
+        segments = [SYSTEM, DOC_A, DOC_B, QUESTION]
+        first = generate(llm, segments)
+        again = generate(llm, segments)
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        total = len(SYSTEM + DOC_A + DOC_B + QUESTION)
+        assert again.num_cached_tokens >= total - total % BLOCK_SIZE - BLOCK_SIZE
+        assert not scheduler_of(llm).connector.scheduler_side.plans

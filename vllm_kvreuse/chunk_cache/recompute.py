@@ -1,0 +1,124 @@
+"""Which chunk tokens a chunked request recomputes instead of loading.
+
+Loaded chunk KV was computed with the chunk alone; a *recomputed* span is
+prefilled in the request itself, attending causally to everything before it
+(loaded or recomputed). A request's recomputed spans are chosen here, from
+its segments and its settings, as sorted disjoint ``(start, end)`` ranges of
+prompt positions inside its chunks. Three rules, combined by union:
+
+- **head** (EPIC, arXiv 2410.15332): the first ``head`` tokens of every
+  chunk after the first. Computed alone, every chunk begins like a prompt:
+  its first tokens turn into attention sinks and nothing in it says which
+  document it is. Recomputed with the real preceding context, they are
+  neither.
+- **select** (question-driven, in the spirit of ProphetKV and A³): up to
+  ``select`` of the chunk tokens, spent on the chunks that share the most
+  rare tokens with the question, most relevant first, each from its start.
+  A rare token is one that occurs in few chunks (names, places), so the
+  documents the question is about are computed with full attention.
+- **tail**: the last ``tail`` of all chunk tokens, the system prompt's
+  included (the question's neighbours), as ``--chunk-recompute-fraction``
+  always did; it never reaches into the system prompt.
+
+Every span costs the request one engine step (a contiguous prefill between
+two loads), so the rules produce few, long runs rather than scattered
+tokens. The first chunk (the system prompt) is never recomputed: it starts
+the prompt, so its stored KV is what full attention computes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """A request's recompute settings (all off: load every chunk).
+
+    ``head``: tokens per chunk; ``select`` and ``tail``: shares of the chunk
+    tokens in [0, 1].
+    """
+
+    head: int = 0
+    select: float = 0.0
+    tail: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.head or self.select or self.tail)
+
+    def tag(self) -> str:
+        """A short stable name, for cache salts and logs."""
+        return f"h{self.head}s{self.select!r}t{self.tail!r}"
+
+
+def choose_spans(
+    prompt: Sequence[int], lengths: Sequence[int], settings: Recompute
+) -> list[Span]:
+    """The spans of ``prompt`` to recompute, sorted and disjoint.
+
+    ``lengths`` are the chunks' token counts from position 0; the question
+    is ``prompt[sum(lengths):]``.
+    """
+    if not settings or len(lengths) < 2:
+        return []
+    starts = [0]
+    for length in lengths[:-1]:
+        starts.append(starts[-1] + length)
+    end = starts[-1] + lengths[-1]
+    body = end - lengths[0]  # chunk tokens after the system prompt
+    spans: list[Span] = []
+    if settings.head:
+        heads = zip(starts[1:], lengths[1:], strict=True)
+        spans += [(s, s + min(settings.head, n)) for s, n in heads]
+    if settings.select:
+        budget = round(settings.select * body)
+        for number in _by_relevance(prompt, starts, lengths, end):
+            if budget <= 0:
+                break
+            take = min(budget, lengths[number])
+            spans.append((starts[number], starts[number] + take))
+            budget -= take
+    if settings.tail:  # a share of all chunk tokens, as it always was
+        tail = min(round(settings.tail * end), body)
+        if tail:
+            spans.append((end - tail, end))
+    return merge(spans)
+
+
+def _by_relevance(
+    prompt: Sequence[int], starts: list[int], lengths: Sequence[int], end: int
+) -> list[int]:
+    """Chunks after the first that share a rare token with the question,
+    most relevant first (ties: earlier first).
+
+    A chunk's relevance is the sum, over the distinct question tokens it
+    holds, of ``1 / (number of chunks holding that token)``; a token in
+    every chunk (a template marker, "the") counts nothing.
+    """
+    question = set(prompt[end:])
+    holders: list[set[int]] = [
+        question.intersection(prompt[s : s + n])
+        for s, n in zip(starts[1:], lengths[1:], strict=True)
+    ]
+    spread = Counter(token for held in holders for token in held)
+    num_chunks = len(holders)
+    scores = [
+        sum(1.0 / spread[t] for t in held if spread[t] < num_chunks) for held in holders
+    ]
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return [i + 1 for i in ranked if scores[i] > 0]
+
+
+def merge(spans: list[Span]) -> list[Span]:
+    """``spans`` sorted, with overlapping or touching ones joined."""
+    merged: list[Span] = []
+    for start, stop in sorted(s for s in spans if s[1] > s[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
