@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import pytest
+from vllm import envs
+from vllm.plugins import (
+    DEFAULT_PLUGINS_GROUP,
+    ENDPOINT_PLUGINS_GROUP,
+    PLATFORM_PLUGINS_GROUP,
+    load_plugins_by_group,
+)
 
 from vllm_kvreuse.config import OPTIONS
 from vllm_kvreuse.patches import PATCHES
@@ -33,3 +43,52 @@ def test_runners_table_lists_every_test_file() -> None:
         if f"`{path.relative_to(tests.parent).as_posix()}`" not in table
     ]
     assert missing == [], "add these test files to the Runners table"
+
+
+VLLM_ASCEND_ENTRY_POINTS = {
+    PLATFORM_PLUGINS_GROUP: ["ascend"],
+    DEFAULT_PLUGINS_GROUP: [
+        "ascend_kv_connector",
+        "ascend_model_loader",
+        "ascend_service_profiling",
+        "ascend_model",
+    ],
+}
+"""vllm-ascend v0.23.0's entry points (its setup.py), as docs/ascend.md lists them."""
+
+
+def _loaded(group: str, allowlist: str, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    monkeypatch.setenv("VLLM_PLUGINS", allowlist)
+    return set(load_plugins_by_group(group))
+
+
+def test_ascend_plugin_allowlist_keeps_vllm_ascend_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ``VLLM_PLUGINS=`` command in docs/ascend.md, fed to vLLM's own
+    filter next to an installed distribution with vllm-ascend's entry-point
+    names, loads all of them and both of kvreuse's; ``kvreuse`` alone drops
+    the platform, as the page says."""
+    dist = tmp_path / "fake_vllm_ascend-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-vllm-ascend\n")
+    (dist / "entry_points.txt").write_text(
+        "".join(
+            f"[{group}]\n" + "".join(f"{name} = os:getcwd\n" for name in names)
+            for group, names in VLLM_ASCEND_ENTRY_POINTS.items()
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    envs.disable_envs_cache()  # VLLM_PLUGINS is read per call below
+
+    assert "ascend" not in _loaded(PLATFORM_PLUGINS_GROUP, "kvreuse", monkeypatch)
+    commands = re.findall(
+        r"^VLLM_PLUGINS=(\S+)", (DOCS / "ascend.md").read_text(), re.MULTILINE
+    )
+    assert commands, "docs/ascend.md has no VLLM_PLUGINS= command"
+    for allowlist in commands:
+        for group, names in VLLM_ASCEND_ENTRY_POINTS.items():
+            missing = set(names) - _loaded(group, allowlist, monkeypatch)
+            assert not missing, f"VLLM_PLUGINS={allowlist} drops {missing}"
+        for group in (DEFAULT_PLUGINS_GROUP, ENDPOINT_PLUGINS_GROUP):
+            assert "kvreuse" in _loaded(group, allowlist, monkeypatch), allowlist
