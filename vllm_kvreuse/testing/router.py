@@ -1,0 +1,114 @@
+"""`vllm-router` (vllm-project/router) in front of test servers, on loopback.
+
+The router is a separate program (the ``vllm-router`` wheel, a Rust binary
+behind a Python launcher); this starts it on free loopback ports, with its
+Prometheus endpoint on one of them, so a test can read which worker each
+request was sent to.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vllm_kvreuse.testing.server import free_port
+
+ROUTER = str(Path(sys.executable).parent / "vllm-router")
+
+
+class Router:
+    """``vllm-router --policy POLICY --worker-urls URLS...``; stopped on close().
+
+    Ready once its ``/health`` answers 200, which it does only when every
+    worker is healthy, so start it after the workers.
+    """
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        policy: str,
+        *,
+        log_path: Path,
+        ready_timeout: float = 60,
+    ) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [
+            ROUTER, "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(self.metrics_port),
+            "--policy", policy, "--worker-urls", *worker_urls,
+        ]  # fmt: skip
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+        self._wait_ready(ready_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm-router exited:\n{self.log_tail()}")
+            try:
+                if self.client.get("/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise TimeoutError(f"vllm-router not ready in {timeout}s:\n{self.log_tail()}")
+
+    def post(
+        self, path: str, body: dict[str, Any], session: str | None = None
+    ) -> tuple[int, Any]:
+        """(status, parsed JSON body or, for the router's own plain-text
+        errors, the text); ``session`` goes in ``X-Session-ID``."""
+        headers = {"X-Session-ID": session} if session is not None else {}
+        response = self.client.post(path, json=body, headers=headers)
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.status_code, response.json()
+        return response.status_code, response.text
+
+    def routed(self) -> dict[str, float]:
+        """Requests the router has sent to each worker URL so far.
+
+        The policy counts a request when it picks the worker, before the
+        request is forwarded, so a reply already received is counted.
+        """
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics").text
+        pattern = r'^vllm_router_processed_requests_total\{worker="([^"]+)"\} (\S+)$'
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(pattern, text, re.MULTILINE)
+        }
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def close(self) -> None:
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
