@@ -34,9 +34,7 @@ def _check(llm, hf_model, segments: list[list[int]], settings: Recompute) -> Non
     token_ids, lengths = chunked_prompt(segments)
     spans = choose_spans(token_ids, lengths, settings)
     assert spans, "the settings must recompute something"
-    expected, logprobs = segmented_reference(
-        hf_model, token_ids, lengths, spans, STEPS
-    )
+    expected, logprobs = segmented_reference(hf_model, token_ids, lengths, spans, STEPS)
     out = generate(llm, segments, max_tokens=STEPS)
     assert list(out.outputs[0].token_ids) == expected
     for token, entry in out.outputs[0].logprobs[0].items():
