@@ -29,6 +29,8 @@ from typing import Any, Literal
 from vllm_kvreuse.admission.policy import parse_threshold
 from vllm_kvreuse.beam.policy import LEAF_EOS_KEY, NODE_KEY, BeamConfig, parse_token_id
 from vllm_kvreuse.chunk_cache.params import parse_lengths
+from vllm_kvreuse.chunk_cache.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
+from vllm_kvreuse.chunk_cache.recompute import parse_recompute
 from vllm_kvreuse.continuation.params import parse_retain_kv, parse_retain_kv_ttl
 
 Owner = Literal["core", "admission", "continuation", "beam", "chunk_cache"]
@@ -88,6 +90,8 @@ KEYS: tuple[ArgKey, ...] = (
            "A catalog beam's SID trie node."),
     ArgKey(LEAF_EOS_KEY, "beam", False, parse_token_id,
            "The token a catalog beam at a whole item may take (EOS)."),
+    ArgKey(CHUNK_RECOMPUTE, "chunk_cache", True, parse_recompute,
+           "Which chunk tokens a chunked request recomputes (else the server's)."),
     ArgKey("kvreuse_chunks", "chunk_cache", False, parse_lengths,
            "Token lengths of a chunked prompt's chunks."),
     ArgKey(SEAL, "core", False, _parse_seal,

@@ -41,6 +41,11 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.chunk_cache.connector import KVReuseChunkConnector
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.plan import FillSpec
+from vllm_kvreuse.chunk_cache.recompute import (
+    REQUEST_KEY,
+    Recompute,
+    parse_recompute,
+)
 from vllm_kvreuse.core.feature import Feature
 
 if TYPE_CHECKING:
@@ -81,7 +86,7 @@ class ChunkCache(Feature):
         lengths = chunk_lengths(request, request.num_prompt_tokens)
         if lengths is None:
             return
-        planned = self.side.plan(request, lengths)
+        planned = self.side.plan(request, lengths, _recompute_of(request))
         if planned is None:
             logger.info(
                 "chunk cache full or chunk too large: request %s runs as an "
@@ -213,3 +218,10 @@ class ChunkCache(Feature):
         request.cache_salt = cache_salt
         request.block_hashes = []
         request.update_block_hashes()
+
+
+def _recompute_of(request: Request) -> Recompute | None:
+    """The request's own recompute settings; None: the server's."""
+    extra_args = request.sampling_params.extra_args or {}
+    value = extra_args.get(REQUEST_KEY)
+    return None if value is None else parse_recompute(value)

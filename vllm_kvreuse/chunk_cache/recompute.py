@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 Span = tuple[int, int]
 
@@ -53,6 +54,36 @@ class Recompute:
     def tag(self) -> str:
         """A short stable name, for cache salts and logs."""
         return f"h{self.head}s{self.select!r}t{self.tail!r}"
+
+
+REQUEST_KEY = "chunk_recompute"
+"""Public request field: this request's recompute settings, replacing the
+server's: ``"none"`` (load every chunk: the fastest, least accurate), or an
+object with any of ``head`` (tokens), ``select`` and ``tail`` (shares)."""
+
+
+def parse_recompute(value: Any) -> Recompute:
+    """A ``chunk_recompute`` field as settings, or ``ValueError``."""
+    if value == "none":
+        return Recompute()
+    if not isinstance(value, dict) or not value or set(value) - set(_FIELDS):
+        raise ValueError(
+            f'{REQUEST_KEY} must be "none" or an object with any of '
+            f"{', '.join(_FIELDS)}"
+        )
+    head = value.get("head", 0)
+    if type(head) is not int or not 0 <= head <= 4096:
+        raise ValueError(f"{REQUEST_KEY}.head must be a token count in [0, 4096]")
+    shares = {}
+    for name in ("select", "tail"):
+        share = value.get(name, 0)
+        if type(share) not in (int, float) or not 0 <= share <= 1:
+            raise ValueError(f"{REQUEST_KEY}.{name} must be a number in [0, 1]")
+        shares[name] = float(share)
+    return Recompute(head=head, **shares)
+
+
+_FIELDS = ("head", "select", "tail")
 
 
 def choose_spans(
