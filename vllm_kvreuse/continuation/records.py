@@ -37,6 +37,7 @@ from vllm import envs
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.continuation import params
+from vllm_kvreuse.core.request_keys import CHUNKS
 
 MAX_RECORDS = 4096
 RUNNING = "running"
@@ -106,7 +107,7 @@ class FinishedRecords:
             output_token_ids=list(request.output_token_ids),
             cache_salt=running[1],
             lora_name=lora.lora_name if lora is not None else None,
-            chunk_lengths=extra.get("kvreuse_chunks"),
+            chunk_lengths=extra.get(CHUNKS),
             expires_at=time.monotonic() + ttl,
         )
         while len(self._finished) > self.max_records:

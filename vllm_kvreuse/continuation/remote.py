@@ -29,7 +29,7 @@ from vllm_kvreuse.continuation.registry import (
     ParentRecord,
     ParentRegistry,
 )
-from vllm_kvreuse.request_args import PARENT
+from vllm_kvreuse.core.request_keys import PARENT
 
 MAX_ID_LENGTH = 512
 """Longer ``continuation_of`` values are not sent to the engines."""
