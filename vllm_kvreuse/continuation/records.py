@@ -37,9 +37,9 @@ from vllm import envs
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.continuation import params
+from vllm_kvreuse.continuation.registry import MAX_RECORDS
 from vllm_kvreuse.core.request_keys import CHUNKS
 
-MAX_RECORDS = 4096
 RUNNING = "running"
 _RECORDED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _SUFFIX_LEN = 9  # "-" + 8 random characters (InputProcessor.assign_request_id)

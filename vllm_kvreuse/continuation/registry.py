@@ -33,6 +33,8 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 MAX_RECORDS = 4096
+"""Records each registry keeps, and each engine core's
+:class:`~vllm_kvreuse.continuation.records.FinishedRecords`."""
 
 
 class ParentNotFound(LookupError):
