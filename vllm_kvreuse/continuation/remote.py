@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvreuse.continuation.engine import FIND_PARENT
-from vllm_kvreuse.continuation.records import RUNNING
+from vllm_kvreuse.continuation.records import RUNNING, ParentAnswer
 from vllm_kvreuse.continuation.registry import (
     ParentNotFound,
     ParentRecord,
@@ -90,7 +90,7 @@ def _adopt(
     choice: int,
     cache_salt: str | None,
     rank: int,
-    answer: dict[str, Any],
+    answer: ParentAnswer,
 ) -> ParentRecord:
     """Keeps a record another process's parent left in engine ``rank``."""
     record = ParentRecord(
