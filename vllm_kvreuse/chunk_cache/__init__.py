@@ -16,7 +16,7 @@ Scheduler (engine core):
 - ``engine.py``: the engine-core utility behind the admin endpoint;
 - ``stats.py``: chunk-store statistics on vLLM's KV-connector stats path.
 
-Both sides, and the workers:
+The KV connector (scheduler and workers), and the workers:
 
 - ``connector.py``: the thin KV-connector facade vLLM calls;
 - ``worker_side.py``: stored chunk tensors, loads and saves;
