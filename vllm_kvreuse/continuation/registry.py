@@ -219,7 +219,9 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
 
 
 # Each RequestState's record; weak keys, so records go away with the states
-# vLLM owns.
+# vLLM owns. Module-level, not on the registry: the final-output hook gets the
+# RequestState alone, which has no link to its output processor, and vLLM's
+# objects get no attributes of ours outside the patch registry.
 _records: weakref.WeakKeyDictionary[Any, tuple[ParentRegistry, ParentRecord]] = (
     weakref.WeakKeyDictionary()
 )
