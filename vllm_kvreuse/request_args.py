@@ -27,22 +27,21 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from vllm_kvreuse.admission.policy import parse_threshold
-from vllm_kvreuse.beam.policy import LEAF_EOS_KEY, NODE_KEY, BeamConfig, parse_token_id
+from vllm_kvreuse.beam.policy import (
+    CONFIG_KEY,
+    LEAF_EOS_KEY,
+    NODE_KEY,
+    BeamConfig,
+    parse_token_id,
+)
 from vllm_kvreuse.chunk_cache.params import parse_lengths
 from vllm_kvreuse.chunk_cache.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
 from vllm_kvreuse.chunk_cache.recompute import parse_recompute
 from vllm_kvreuse.continuation.params import parse_retain_kv, parse_retain_kv_ttl
+from vllm_kvreuse.core.request_keys import CHUNKS, PARENT, PREFIX, SEAL
 
 Owner = Literal["core", "admission", "continuation", "beam", "chunk_cache"]
 
-PREFIX = "kvreuse_"
-"""Keys starting with it are reserved: unknown ones are refused too."""
-
-PARENT = "kvreuse_parent"
-"""Internal: the engine request id whose held KV blocks this request may
-inherit (continuation children, beam members). Read by the core layer."""
-
-SEAL = "kvreuse_sealed"
 _TOKEN = secrets.token_hex(16)  # per process; never leaves this process's API
 
 
@@ -84,7 +83,7 @@ KEYS: tuple[ArgKey, ...] = (
            "Seconds to keep them (default --retain-kv-ttl)."),
     ArgKey(PARENT, "core", False, _parse_parent,
            "Engine id of the request whose held blocks this one inherits."),
-    ArgKey("kvreuse_beam", "beam", False, BeamConfig.parse,
+    ArgKey(CONFIG_KEY, "beam", False, BeamConfig.parse,
            "A beam-search root request's configuration."),
     ArgKey(NODE_KEY, "beam", False, parse_token_id,
            "A catalog beam's SID trie node."),
@@ -92,7 +91,7 @@ KEYS: tuple[ArgKey, ...] = (
            "The token a catalog beam at a whole item may take (EOS)."),
     ArgKey(CHUNK_RECOMPUTE, "chunk_cache", True, parse_recompute,
            "Which chunk tokens a chunked request recomputes (else the server's)."),
-    ArgKey("kvreuse_chunks", "chunk_cache", False, parse_lengths,
+    ArgKey(CHUNKS, "chunk_cache", False, parse_lengths,
            "Token lengths of a chunked prompt's chunks."),
     ArgKey(SEAL, "core", False, _parse_seal,
            "The plugin's per-process seal on extra_args it wrote itself."),

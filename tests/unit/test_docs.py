@@ -1,7 +1,9 @@
-"""Docs name every flag and every patch, so they cannot drift from the code."""
+"""Docs name every flag, every patch, every test file and every module, so
+they cannot drift from the code."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -14,10 +16,12 @@ from vllm.plugins import (
     load_plugins_by_group,
 )
 
+import vllm_kvreuse
 from vllm_kvreuse.config import OPTIONS
 from vllm_kvreuse.patches import PATCHES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+PACKAGE = Path(vllm_kvreuse.__file__).parent
 
 
 def test_architecture_lists_every_patch() -> None:
@@ -92,3 +96,30 @@ def test_ascend_plugin_allowlist_keeps_vllm_ascend_loading(
             assert not missing, f"VLLM_PLUGINS={allowlist} drops {missing}"
         for group in (DEFAULT_PLUGINS_GROUP, ENDPOINT_PLUGINS_GROUP):
             assert "kvreuse" in _loaded(group, allowlist, monkeypatch), allowlist
+
+
+# A module of the package as its docstring names it: ``name.py`` or
+# :mod:`.name`; a subpackage: ``name/`` or :mod:`.name`. Paths into other
+# folders (``testing/x.py``) and absolute :mod: references are not counted.
+_NAMED = re.compile(r"``(\w+)(?:\.py|/)``|:mod:`\.(\w+)`")
+
+
+def _named_in(docstring: str) -> set[str]:
+    return {a or b for a, b in _NAMED.findall(docstring)}
+
+
+@pytest.mark.parametrize(
+    "init",
+    sorted(PACKAGE.rglob("*/__init__.py")),
+    ids=lambda path: path.parent.relative_to(PACKAGE).as_posix(),
+)
+def test_package_docstring_lists_its_modules(init: Path) -> None:
+    """Each subpackage's docstring names every module and subpackage in it,
+    and no module that is not there."""
+    folder = init.parent
+    docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+    present = {path.stem for path in folder.glob("*.py")} - {"__init__"}
+    present |= {path.parent.name for path in folder.glob("*/__init__.py")}
+    named = _named_in(docstring)
+    assert sorted(present - named) == [], f"describe these in {init}"
+    assert sorted(named - present) == [], f"{init} names these, which are gone"

@@ -85,6 +85,23 @@ def test_exclusive_hooks_have_at_most_one_implementer() -> None:
             assert len(implementers) <= 1, f"{hook}: {implementers}"
 
 
+def _imports_of(path: Path, forbidden: set[str]) -> list[str]:
+    """The modules ``path`` imports that are, or are inside, ``forbidden``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        found += [
+            name
+            for name in names
+            if any(name == o or name.startswith(o + ".") for o in forbidden)
+        ]
+    return found
+
+
 def test_features_never_import_each_other() -> None:
     offenders = []
     for package in FEATURE_PACKAGES:
@@ -92,18 +109,26 @@ def test_features_never_import_each_other() -> None:
             f"vllm_kvreuse.{package}"
         }
         for path in (PACKAGE / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = []
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    names = [node.module]
-                elif isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                offenders += [
-                    f"{package}/{path.name} imports {name}"
-                    for name in names
-                    if any(name == o or name.startswith(o + ".") for o in others)
-                ]
+            offenders += [
+                f"{package}/{path.name} imports {name}"
+                for name in _imports_of(path, others)
+            ]
     assert offenders == []
+
+
+def test_core_imports_no_feature() -> None:
+    """Keys and services features share live in core; only the feature list
+    (``features.py``) names the features. ``request_args`` imports every
+    feature's validators, so core reads keys from ``core.request_keys``."""
+    forbidden = {f"vllm_kvreuse.{p}" for p in FEATURE_PACKAGES}
+    forbidden.add("vllm_kvreuse.request_args")
+    offenders = [
+        f"core/{path.name} imports {name}"
+        for path in (PACKAGE / "core").glob("*.py")
+        if path.name != "features.py"
+        for name in _imports_of(path, forbidden)
+    ]
+    assert offenders == [], "move what core needs from a feature into core"
 
 
 def test_a_feature_failing_on_one_request_fails_that_request_alone(

@@ -45,6 +45,9 @@ def engine_catalog(vllm_config: Any, device: torch.device | str) -> SidCatalog |
     return _loaded[key]
 
 
+# Per process on purpose: the scheduler feature, the workers' logits processor
+# and the frontend are separate objects vLLM builds, with no common owner; in
+# one process (an offline engine, the CPU in-process worker) they share a copy.
 _loaded: dict[tuple[str, str, str], SidCatalog] = {}
 
 

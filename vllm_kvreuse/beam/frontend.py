@@ -25,11 +25,12 @@ from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
 from vllm_kvreuse.beam.catalog_setup import engine_catalog
-from vllm_kvreuse.beam.policy import NODE_KEY, BeamConfig
+from vllm_kvreuse.beam.policy import CONFIG_KEY, NODE_KEY, BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
 from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.core.request_keys import PARENT
 from vllm_kvreuse.metrics import count_beam_group
-from vllm_kvreuse.request_args import PARENT, internal_args
+from vllm_kvreuse.request_args import internal_args
 
 
 def check_fits_pool(
@@ -141,7 +142,7 @@ def root_sampling_params(
         include_stop_str_in_output=keep_eos or params.include_stop_str_in_output,
         sid_catalog=catalog,
     )
-    internal = {"kvreuse_beam": config.to_dict()}
+    internal = {CONFIG_KEY: config.to_dict()}
     if catalog:
         internal[NODE_KEY] = 0
     if (parent := getattr(params, PARENT_ATTR, None)) is not None:

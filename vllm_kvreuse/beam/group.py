@@ -17,7 +17,7 @@ from vllm.v1.request import Request
 
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
-from vllm_kvreuse.request_args import PARENT
+from vllm_kvreuse.core.request_keys import PARENT
 
 
 @dataclass(slots=True)

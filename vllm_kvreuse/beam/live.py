@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.request_args import PARENT
+from vllm_kvreuse.core.request_keys import PARENT
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-CHUNKS = "kvreuse_chunks"
+from vllm_kvreuse.core.request_keys import CHUNKS
+
 MAX_CHUNKS = 4096
 
 

@@ -1,1 +1,11 @@
-"""Continuation requests: a new request inherits a finished request's KV blocks."""
+"""Continuation requests: a new request inherits a finished request's KV blocks.
+
+- ``params.py``: the request options (``retain_kv``, ``retain_kv_ttl``);
+- ``feature.py``: engine side, retention of finished parents in the ledger;
+- ``engine.py``: engine-core utilities: release expired parents, find one;
+- ``records.py``: engine-side records of finished requests, for children
+  that reach another API-server process;
+- ``registry.py``: the frontend's records of recent requests;
+- ``remote.py``: look-ups across API-server processes, DP routing;
+- ``frontend.py``: the HTTP fields and the Python API.
+"""

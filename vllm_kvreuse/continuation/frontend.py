@@ -34,14 +34,14 @@ from vllm_kvreuse.continuation.registry import (
     registry_of,
     track,
 )
+from vllm_kvreuse.core.request_keys import CHUNKS, PARENT
 from vllm_kvreuse.metrics import count_continuation
-from vllm_kvreuse.request_args import PARENT, internal_args
+from vllm_kvreuse.request_args import internal_args
 
 CONTINUATION_OF = "continuation_of"
 CHOICE = "continuation_choice"
 SUFFIX = "continuation_suffix"
 SUFFIX_TOKEN_IDS = "continuation_suffix_token_ids"
-CHUNKS = "kvreuse_chunks"
 
 # -- the registry of each engine client ------------------------------------------
 

@@ -31,14 +31,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from vllm import envs
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.continuation import params
+from vllm_kvreuse.continuation.registry import MAX_RECORDS
+from vllm_kvreuse.core.request_keys import CHUNKS
 
-MAX_RECORDS = 4096
 RUNNING = "running"
 _RECORDED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _SUFFIX_LEN = 9  # "-" + 8 random characters (InputProcessor.assign_request_id)
@@ -52,24 +53,26 @@ def client_key(engine_request_id: str) -> str:
     return engine_request_id[:-_SUFFIX_LEN]
 
 
-@dataclass(slots=True)
-class FinishedRecord:
+class ParentAnswer(TypedDict):
+    """What an engine core tells another API-server process about a parent
+    it ran. A plain dict: it crosses processes as an engine-core utility's
+    result. That process keeps it as a
+    :class:`~vllm_kvreuse.continuation.registry.ParentRecord`
+    (:func:`vllm_kvreuse.continuation.remote.find_remote`)."""
+
     engine_request_id: str
-    prompt_token_ids: Sequence[int]
+    prompt_token_ids: list[int]
     output_token_ids: list[int]
-    cache_salt: str | None
     lora_name: str | None
     chunk_lengths: list[int] | None
-    expires_at: float
 
-    def answer(self) -> dict[str, Any]:
-        return {
-            "engine_request_id": self.engine_request_id,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "output_token_ids": self.output_token_ids,
-            "lora_name": self.lora_name,
-            "chunk_lengths": self.chunk_lengths,
-        }
+
+@dataclass(slots=True)
+class FinishedRecord:
+    answer: ParentAnswer
+    """Built once, when the request finishes; never mutated."""
+    cache_salt: str | None
+    expires_at: float
 
 
 class FinishedRecords:
@@ -100,21 +103,22 @@ class FinishedRecords:
         ttl = params.retention_ttl(extra, self.default_ttl)
         lora = request.lora_request
         self._finished.pop(key, None)
-        self._finished[key] = FinishedRecord(
+        answer = ParentAnswer(
             engine_request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids or [],
+            prompt_token_ids=list(request.prompt_token_ids or []),
             output_token_ids=list(request.output_token_ids),
-            cache_salt=running[1],
             lora_name=lora.lora_name if lora is not None else None,
-            chunk_lengths=extra.get("kvreuse_chunks"),
-            expires_at=time.monotonic() + ttl,
+            chunk_lengths=extra.get(CHUNKS),
         )
+        self._finished[key] = FinishedRecord(answer, running[1], time.monotonic() + ttl)
         while len(self._finished) > self.max_records:
             self._finished.popitem(last=False)
 
-    def find(self, keys: Sequence[str], cache_salt: str | None) -> Any:
-        """The first live record among ``keys`` (as a dict), :data:`RUNNING`
-        if one is still running here, else None."""
+    def find(
+        self, keys: Sequence[str], cache_salt: str | None
+    ) -> ParentAnswer | str | None:
+        """The first live record's answer among ``keys``, :data:`RUNNING` if
+        one is still running here, else None."""
         now = time.monotonic()
         for key in keys:
             record = self._finished.get(key)
@@ -122,7 +126,7 @@ class FinishedRecords:
                 del self._finished[key]
                 record = None
             if record is not None and record.cache_salt == cache_salt:
-                return record.answer()
+                return record.answer
             running = self._running.get(key)
             if running is not None and running[1] == cache_salt:
                 return RUNNING

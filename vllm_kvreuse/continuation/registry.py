@@ -33,6 +33,8 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 MAX_RECORDS = 4096
+"""Records each registry keeps, and each engine core's
+:class:`~vllm_kvreuse.continuation.records.FinishedRecords`."""
 
 
 class ParentNotFound(LookupError):
@@ -217,7 +219,9 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
 
 
 # Each RequestState's record; weak keys, so records go away with the states
-# vLLM owns.
+# vLLM owns. Module-level, not on the registry: the final-output hook gets the
+# RequestState alone, which has no link to its output processor, and vLLM's
+# objects get no attributes of ours outside the patch registry.
 _records: weakref.WeakKeyDictionary[Any, tuple[ParentRegistry, ParentRecord]] = (
     weakref.WeakKeyDictionary()
 )

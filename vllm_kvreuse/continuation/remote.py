@@ -23,13 +23,13 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvreuse.continuation.engine import FIND_PARENT
-from vllm_kvreuse.continuation.records import RUNNING
+from vllm_kvreuse.continuation.records import RUNNING, ParentAnswer
 from vllm_kvreuse.continuation.registry import (
     ParentNotFound,
     ParentRecord,
     ParentRegistry,
 )
-from vllm_kvreuse.request_args import PARENT
+from vllm_kvreuse.core.request_keys import PARENT
 
 MAX_ID_LENGTH = 512
 """Longer ``continuation_of`` values are not sent to the engines."""
@@ -90,7 +90,7 @@ def _adopt(
     choice: int,
     cache_salt: str | None,
     rank: int,
-    answer: dict[str, Any],
+    answer: ParentAnswer,
 ) -> ParentRecord:
     """Keeps a record another process's parent left in engine ``rank``."""
     record = ParentRecord(

@@ -3,7 +3,11 @@
 - :mod:`.layer`: the one class that overrides upstream ``Scheduler`` methods,
   each once, and calls features through named hooks in a declared order.
 - :mod:`.feature`: the hooks a feature may implement (a plain object).
+- :mod:`.features`: which features run, and in what order.
+- :mod:`.context`: what every feature receives: the scheduler, the services.
 - :mod:`.ledger`: blocks held past their request's life, and inheritance.
 - :mod:`.internal`: requests the plugin adds for itself.
+- :mod:`.reseat`: re-seating running requests onto other requests' KV.
+- :mod:`.request_keys`: the ``extra_args`` keys read across packages.
 - :mod:`.accounting`: the block-accounting invariant, checked by tests.
 """

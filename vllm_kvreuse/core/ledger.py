@@ -38,7 +38,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
-from vllm_kvreuse.request_args import PARENT
+from vllm_kvreuse.core.request_keys import PARENT
 
 Hit = tuple[KVCacheBlocks, int, int, bool]
 """What ``Scheduler._get_local_prefix_cache_hit`` returns: blocks, tokens,

@@ -4,6 +4,14 @@
 caches; it reads each layer's layout from the attention backend vLLM chose
 and returns the :class:`~vllm_kvreuse.device.base.DeviceOps` for this
 platform. Nothing outside this folder indexes a KV cache.
+
+- ``base.py``: the ``DeviceOps`` interface, what may be done to paged KV;
+- ``layouts.py``: per-layer views of the KV caches vLLM allocates;
+- ``torch_ops.py``: the torch implementation, any device, the reference;
+- ``triton_ops.py``: the Triton implementation, one launch per chunk move;
+- ``npu.py``: chunk moves over vllm-ascend's KV cache (Ascend NPU);
+- ``npu_kernels.py``: the Ascend kernels, each beside its torch equivalent;
+- ``block_copy.py``: copy-on-write block copies over every KV layout.
 """
 
 from __future__ import annotations

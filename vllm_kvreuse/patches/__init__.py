@@ -6,6 +6,12 @@ plugin; what they cannot reach is patched in this package and only here. Each en
 names its target, why it exists, how it works, and what upstream change
 would let us delete it.
 
+- ``registry.py``: how a patch is described, applied and checked;
+- ``startup.py``: the plugin's settings into vLLM, the scheduler choice;
+- ``serving.py``: the OpenAI server and the ``LLM`` API: request fields,
+  renderers, outputs;
+- ``engine.py``: the engine clients, the engine core and the workers.
+
 Rules:
 - A patch wraps the original (kept as ``__wrapped__``) and calls it; none
   copies an upstream body.

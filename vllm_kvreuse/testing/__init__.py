@@ -1,0 +1,12 @@
+"""Helpers for tests and benchmarks; never imported by the serving path.
+
+- ``tiny_model.py``: a random-weight Qwen2 model and a trained tokenizer;
+- ``smollm2.py``: the default served model, SmolLM2-135M-Instruct;
+- ``server.py``: a real ``vllm serve`` process on a free loopback port;
+- ``processes.py``: HTTP connections pinned to one API-server process;
+- ``kv_caches.py``: per-layer KV caches from vLLM's own allocator;
+- ``ascend_layout.py``: vllm-ascend's per-layer KV cache, on any device;
+- ``reference.py``: reference attention masks for the chunk cache;
+- ``catalog_reference.py``: the dense catalog-constrained beam step;
+- ``soak/``: a bounded mixed-load run against a live server.
+"""

@@ -7,5 +7,6 @@ Shared by ``tests/e2e/test_soak.py`` (about a minute) and
 - :mod:`.mix`: the client, a seeded mix of every kind of request;
 - :mod:`.monitor`: samples /metrics, /health and the server's memory;
 - :mod:`.run`: the load, then the drain and the probes;
+- :mod:`.records`: one line per HTTP request, and what it expected;
 - :mod:`.report`: the summary and its markdown.
 """
