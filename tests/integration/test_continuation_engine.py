@@ -8,7 +8,7 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from tests.integration.conftest import make_llm, num_free_blocks
+from tests.integration.conftest import make_llm, num_free_blocks, scheduler_of
 from vllm_kvreuse.continuation.registry import ParentNotFound, registry_of
 from vllm_kvreuse.request_args import internal_args
 
@@ -123,3 +123,37 @@ def test_bad_retention_options_raise(llm: LLM) -> None:
         run_parent(llm, retain_kv="yes")
     with pytest.raises(VLLMValidationError, match="retain_kv_ttl"):
         run_parent(llm, retain_kv=True, retain_kv_ttl=-1)
+
+
+def test_ttl_given_as_a_string_is_honoured(llm: LLM) -> None:
+    """``retain_kv_ttl: "30"`` passes validation (a number of seconds), so
+    the frontend record must read it as one too."""
+    parent = run_parent(llm, retain_kv=True, retain_kv_ttl="30")
+    child = llm.generate_continuation(parent.request_id, SUFFIX, greedy(2))
+    assert child.num_cached_tokens == len(child.prompt_token_ids) - len(SUFFIX) - 1
+
+
+def test_parent_released_under_pressure_is_still_known(model_dir: str) -> None:
+    """Pressure takes a retained parent's blocks, not its record: within its
+    TTL the child is still answered, recomputing what the prefix cache lost,
+    and its output is that of the same tokens sent as an ordinary request."""
+    engine = make_llm(
+        model_dir, enable_continuation=True, num_gpu_blocks_override=16,
+        max_model_len=448,
+        retain_kv_max_fraction=1.0,
+    )  # fmt: skip
+    try:
+        parent = run_parent(engine, retain_kv=True, retain_kv_ttl=60)
+        ledger = scheduler_of(engine).kvreuse.ledger
+        assert len(ledger) == 1
+        # 12 blocks do not fit next to the parent's 4 in a 15-block pool.
+        engine.generate([{"prompt_token_ids": list(range(2000, 2384))}], greedy(1))
+        assert len(ledger) == 0, "pressure released the parent"
+        child = engine.generate_continuation(parent.request_id, SUFFIX, greedy(8))
+        expected = PROMPT + list(parent.outputs[0].token_ids) + SUFFIX
+        assert child.prompt_token_ids == expected
+        assert child.num_cached_tokens < len(expected) - len(SUFFIX) - 1
+        want = reference(engine, expected).outputs[0].token_ids
+        assert child.outputs[0].token_ids == want
+    finally:
+        del engine

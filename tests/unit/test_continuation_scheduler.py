@@ -226,3 +226,40 @@ def test_engine_records_answer_other_api_servers(make_scheduler) -> None:
     assert feature.records.find(client_keys("cmpl-7", 0), None) is None
     assert feature.records.find(client_keys("cmpl-7", 1), "tenant-a") is None
     scheduler.reset_prefix_cache()
+
+
+def test_parent_released_under_pressure_stays_known_and_is_recomputed(
+    make_scheduler,
+) -> None:
+    """Memory pressure takes a retained parent's blocks, never its record:
+    another API server still finds it within its TTL, and its child
+    recomputes what the prefix cache no longer holds."""
+    from vllm_kvreuse.continuation.records import FinishedRecords
+    from vllm_kvreuse.continuation.remote import client_keys
+
+    scheduler = make_scheduler(num_blocks=16, retain_kv_max_fraction=1.0)
+    feature = scheduler.feature("continuation")
+    feature.records = FinishedRecords(default_ttl=60.0)  # as with 2 API servers
+    parent_id = "cmpl-9-0-abcd1234"
+    parent = make_request(
+        parent_id, PROMPT, max_tokens=len(OUTPUT), retain_kv=True, retain_kv_ttl=5
+    )
+    scheduler.add_request(parent)
+    run_to_completion(scheduler)
+    assert parent_id in scheduler.kvreuse.ledger
+    # Fills the rest of the pool: the step that cannot admit it is pressure.
+    big = make_request("big", list(range(5000, 5000 + 12 * BLOCK_SIZE)), max_tokens=1)
+    scheduler.add_request(big)
+    run_to_completion(scheduler)
+    assert parent_id not in scheduler.kvreuse.ledger, "pressure released the parent"
+    answer = feature.records.find(client_keys("cmpl-9", 0), None)
+    assert answer is not None and answer["engine_request_id"] == parent_id
+    assert answer["prompt_token_ids"] + answer["output_token_ids"] == PROMPT + OUTPUT
+    child = make_request("c", CHILD_PROMPT, max_tokens=1, kvreuse_parent=parent_id)
+    scheduler.add_request(child)
+    output, _ = step(scheduler)
+    # Whatever the prefix cache still holds (whole blocks at most), the rest
+    # is computed: the child runs, from fewer cached tokens than inheritance.
+    assert child.num_computed_tokens == len(CHILD_PROMPT)
+    assert output.num_scheduled_tokens["c"] > len(SUFFIX) + 1
+    run_to_completion(scheduler)

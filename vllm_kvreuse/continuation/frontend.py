@@ -96,7 +96,7 @@ def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
             cache_salt=request.cache_salt,
             lora_name=state.lora_name,
             retain_kv=params.wants_retention(extra),
-            ttl=extra.get(params.RETAIN_KV_TTL),
+            ttl=params.own_ttl(extra),
             is_continuation=PARENT in extra,
             chunk_lengths=extra.get(CHUNKS),
         )

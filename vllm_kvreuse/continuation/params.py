@@ -32,7 +32,16 @@ def wants_retention(extra_args: Mapping[str, Any] | None) -> bool:
     return bool(extra_args and extra_args.get(RETAIN_KV) is True)
 
 
+def own_ttl(extra_args: Mapping[str, Any] | None) -> float | None:
+    """The request's ``retain_kv_ttl`` in seconds, None if it gives none.
+
+    Validation accepts any number of seconds, ``"30"`` included, and leaves
+    the value as sent: read it through here, never raw.
+    """
+    value = extra_args.get(RETAIN_KV_TTL) if extra_args else None
+    return None if value is None else float(value)
+
+
 def retention_ttl(extra_args: Mapping[str, Any] | None, default: float) -> float:
-    if extra_args and extra_args.get(RETAIN_KV_TTL) is not None:
-        return float(extra_args[RETAIN_KV_TTL])
-    return default
+    ttl = own_ttl(extra_args)
+    return default if ttl is None else ttl
