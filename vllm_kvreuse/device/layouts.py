@@ -64,6 +64,7 @@ def layer_views(
     backend = layer.attn_backend
     name = backend.get_name()
     if name == "CPU_ATTN":
+        check_dense_cache(layer, cache, block_size)
         check_layout(cache, backend, layout)
         isa = cpu_attn_isa(layer, cache, block_size)
         return cpu_attn_views(cache, block_size, isa)
