@@ -11,7 +11,7 @@ from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
 
 from vllm_kvreuse.chunk_cache.rope import UnsupportedModel, model_rope
 from vllm_kvreuse.chunk_cache.store import ChunkIndex
-from vllm_kvreuse.device import Rope, UnsupportedKVLayout
+from vllm_kvreuse.device import Rope
 from vllm_kvreuse.device.layouts import cpu_attn_views
 from vllm_kvreuse.device.torch_ops import (
     read_tokens,
@@ -99,12 +99,6 @@ def test_cpu_layout_matches_vllms_own_cache_writer(dtype) -> None:
         cpu_attn_views(ours, block_size, "vec"), block_ids, offsets, keys, values
     )
     assert torch.equal(ours, cache)
-
-
-def test_packed_layouts_are_refused() -> None:
-    cache = torch.zeros(2, 2, 32, 128, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedKVLayout, match="amx"):
-        cpu_attn_views(cache, 32, "amx")
 
 
 def index(device_tokens: int, cpu_tokens: int = 0) -> ChunkIndex:

@@ -174,6 +174,7 @@ def test_build_ops_reads_the_engines_layout_and_keeps_torch_on_cpu(
     ("backend", "kv_cache_dtype", "layout", "match"),
     [
         ("TRITON_ATTN", "fp8", KVCacheLayout.LBNHC, "quantized.*--kv-cache-dtype auto"),
+        ("CPU_ATTN", "fp8", KVCacheLayout.LBHNC, "quantized.*--kv-cache-dtype auto"),
         ("FLEX_ATTENTION", "auto", KVCacheLayout.LBHNC, "LBHNC, not one it declares"),
     ],
 )  # fmt: skip

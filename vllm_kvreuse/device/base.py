@@ -10,6 +10,9 @@ Conventions (shared by every implementation):
 - One layer's KV is addressed through :class:`PagedKV`: ``keys`` and
   ``values`` are ``[num_blocks, block_size, num_kv_heads, head_size]`` views
   (or tensors) whose storage *is* the cache: writing them writes the cache.
+  A layout that no such view can describe (vLLM's AMX tiles on CPU) is a
+  subclass that overrides :meth:`PagedKV.read` and :meth:`PagedKV.write`;
+  torch ops go through those two, fused kernels only take plain views.
 - A request's position ``p`` lives in block ``block_ids[p // block_size]``
   at offset ``p % block_size`` (vLLM's slot mapping). ``block_ids`` are the
   KV cache manager's blocks; when the attention kernels split each into
@@ -48,6 +51,30 @@ class PagedKV:
     @property
     def block_size(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        """``(num_kv_heads, head_size)``: one token's keys (or values)."""
+        return self.keys.shape[2], self.keys.shape[3]
+
+    def read(
+        self, blocks: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values at the given slots: ``[n, H, D]``
+        each. Mutates nothing."""
+        return self.keys[blocks, offsets], self.values[blocks, offsets]
+
+    def write(
+        self,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Writes ``[n, H, D]`` keys and values (cast to the cache's dtype)
+        into the given slots; mutates only those."""
+        self.keys[blocks, offsets] = keys.to(self.keys.dtype)
+        self.values[blocks, offsets] = values.to(self.values.dtype)
 
 
 @dataclass(frozen=True, slots=True)

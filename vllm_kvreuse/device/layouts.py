@@ -19,7 +19,8 @@ How ``C`` holds a token's key and value depends on the attention backend:
   dim=-1)`` (flash_attn.py:1252 and :1443, triton_attn.py:625 and :796,
   flex_attention.py:1233 and :1346, flashinfer.py:2168 and :2656).
 - CPU_ATTN: the whole ``[N, C]`` page of a (block, head) is repacked per ISA;
-  see :func:`cpu_attn_views`.
+  see :func:`cpu_attn_views` (``vec``, ``vec16``) and
+  :mod:`vllm_kvreuse.device.cpu_amx` (``amx``).
 
 Anything else (quantized KV, packed scales, NVFP4 head slots, other
 backends) is refused with the backend's name, so a layout is never guessed.
@@ -35,6 +36,7 @@ import torch
 from vllm.v1.kv_cache_interface import KVCacheLayout, is_quantized_kv_cache
 
 from vllm_kvreuse.device.base import PagedKV, UnsupportedKVLayout
+from vllm_kvreuse.device.cpu_amx import amx_views
 
 CONTENT_PACKED_BACKENDS = frozenset(
     {"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER"}
@@ -62,6 +64,7 @@ def layer_views(
     backend = layer.attn_backend
     name = backend.get_name()
     if name == "CPU_ATTN":
+        check_dense_cache(layer, cache, block_size)
         check_layout(cache, backend, layout)
         isa = cpu_attn_isa(layer, cache, block_size)
         return cpu_attn_views(cache, block_size, isa)
@@ -156,14 +159,22 @@ def check_layout(cache: Any, backend: Any, layout: KVCacheLayout | None) -> None
 
 
 def cpu_attn_views(cache: torch.Tensor, block_size: int, isa: str | None) -> PagedKV:
-    """vLLM's CPU attention, ``vec`` kernels (x86 without AMX, or float32 /
-    float16): ``[num_blocks, H, block_size, 2 * D]`` where each (block, head)
-    holds its keys transposed (``[D, block_size]``), then its values row by
-    row (``[block_size, D]``)."""
-    if isa != "vec":
+    """vLLM's CPU attention KV for the kernels of ``isa``.
+
+    ``vec`` (x86 for float32 and float16, and bfloat16 without AMX) and
+    ``vec16`` (head sizes not a multiple of 32) store the same layout:
+    ``[num_blocks, H, block_size, 2 * D]`` where each (block, head) holds its
+    keys transposed (``[D, block_size]``), then its values row by row
+    (``[block_size, D]``). ``amx`` (bfloat16 with AMX tiles) packs tiles:
+    :func:`~vllm_kvreuse.device.cpu_amx.amx_views`. Other ISAs (neon, vsx,
+    vxe, rvv) are refused: their packing was never measured here.
+    """
+    if isa == "amx":
+        return amx_views(cache, block_size)
+    if isa not in ("vec", "vec16"):
         raise UnsupportedKVLayout(
             f"the CPU attention kernels {isa!r} pack KV in a layout the chunk "
-            "cache does not address; use dtype float32 or float16"
+            "cache does not address (it addresses x86's vec, vec16 and amx)"
         )
     num_blocks, num_heads, rows, width = cache.shape
     head_size = width // 2

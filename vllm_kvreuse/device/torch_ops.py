@@ -24,7 +24,7 @@ def read_tokens(
     kv: PagedKV, blocks: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the keys and values at the given slots: ``[n, H, D]`` each."""
-    return kv.keys[blocks, offsets], kv.values[blocks, offsets]
+    return kv.read(blocks, offsets)
 
 
 def write_tokens(
@@ -35,8 +35,7 @@ def write_tokens(
     values: torch.Tensor,
 ) -> None:
     """Writes ``[n, H, D]`` keys and values into the given slots."""
-    kv.keys[blocks, offsets] = keys.to(kv.keys.dtype)
-    kv.values[blocks, offsets] = values.to(kv.values.dtype)
+    kv.write(blocks, offsets, keys, values)
 
 
 def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
@@ -83,8 +82,9 @@ class TorchOps(DeviceOps):
         """Gathers straight into the chunk: stacking per-layer copies cost 4x
         the gather on CPU."""
         blocks, offsets = self._slots(block_ids, start, count)
-        first = self.layers[0].keys
-        chunk = first.new_empty((len(self.layers), 2, count, *first.shape[2:]))
+        first = self.layers[0]
+        shape = (len(self.layers), 2, count, *first.token_shape)
+        chunk = first.keys.new_empty(shape)
         for layer, kv in enumerate(self.layers):
             chunk[layer, 0], chunk[layer, 1] = read_tokens(kv, blocks, offsets)
         return chunk

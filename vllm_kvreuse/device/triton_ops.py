@@ -154,6 +154,8 @@ def kernel_for(device_type: str) -> Any:
 def unsupported_reason(layers: Sequence[PagedKV]) -> str | None:
     """Why one set of strides cannot address every layer, or None."""
     first = layers[0]
+    if type(first) is not PagedKV:  # the kernel addresses plain strided views
+        return f"{type(first).__name__} layers"
     if first.keys.dtype not in DTYPES:
         return f"KV dtype {first.keys.dtype}"
     element = first.keys.element_size()
