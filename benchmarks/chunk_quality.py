@@ -69,6 +69,8 @@ MODES: dict[str, tuple[str, Any]] = {
     "select 0.25": ("isolated", {"select": 0.25}),
     "select 0.25+head 32": ("isolated", {"select": 0.25, "head": 32}),
     "select 0.5": ("isolated", {"select": 0.5}),
+    "tail 0.25+head 32": ("isolated", {"tail": 0.25, "head": 32}),
+    "system+select 0.25": ("system", {"select": 0.25}),
 }
 
 

@@ -25,6 +25,15 @@ class PlannedChunk:
     virtual_start: int  # position of its first token when it was computed
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    key: ChunkKey
+    src_start: int  # first token within the stored chunk
+    dst_start: int  # its position in the request
+    count: int
+    delta: int  # actual minus virtual position
+
+
 @dataclass(slots=True)
 class ChunkPlan:
     """A chunked request's chunks, laid end to end from position 0.
@@ -82,6 +91,19 @@ class ChunkPlan:
                 return stop if stop < self.end else None
         return pos
 
+    def pieces(self, start: int, stop: int) -> list[Piece]:
+        """The parts of the chunks in ``[start, stop)``, as loads."""
+        pieces = []
+        for chunk in self.chunks:
+            skip = max(0, min(chunk.length, start - chunk.start))
+            count = max(0, min(chunk.length, stop - chunk.start)) - skip
+            if count > 0:
+                pieces.append(
+                    Piece(chunk.key, src_start=skip, dst_start=chunk.start + skip,
+                          count=count, delta=chunk.start - chunk.virtual_start)
+                )  # fmt: skip
+        return pieces
+
     def num_loaded(self, begin: int = 0, limit: int | None = None) -> int:
         """Loaded positions in ``[begin, limit)`` (limit: the chunks' end)."""
         limit = self.end if limit is None else limit
@@ -103,15 +125,6 @@ class FillSpec:
     @property
     def length(self) -> int:
         return len(self.prompt) - self.start
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    key: ChunkKey
-    src_start: int  # first token within the stored chunk
-    dst_start: int  # its position in the request
-    count: int
-    delta: int  # actual minus virtual position
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,9 @@ prompt positions inside its chunks. Three rules, combined by union:
   document it is. Recomputed with the real preceding context, they are
   neither.
 - **select** (question-driven, in the spirit of ProphetKV and A³): up to
-  ``select`` of the chunk tokens, spent on the chunks that share the most
-  rare tokens with the question, most relevant first, each from its start.
-  A rare token is one that occurs in few chunks (names, places), so the
-  documents the question is about are computed with full attention.
+  ``select`` of the chunk tokens, spent on the chunks most relevant to the
+  question (tf-idf of the question's tokens: names and places weigh, words
+  in every chunk do not), most relevant first, each from its start.
 - **tail**: the last ``tail`` of all chunk tokens, the system prompt's
   included (the question's neighbours), as ``--chunk-recompute-fraction``
   always did; it never reaches into the system prompt.
@@ -28,6 +27,7 @@ the prompt, so its stored KV is what full attention computes.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,19 +126,21 @@ def _by_relevance(
     """Chunks after the first that share a rare token with the question,
     most relevant first (ties: earlier first).
 
-    A chunk's relevance is the sum, over the distinct question tokens it
-    holds, of ``1 / (number of chunks holding that token)``; a token in
-    every chunk (a template marker, "the") counts nothing.
+    Relevance is tf-idf over the question's distinct tokens: a token counts
+    its occurrences in the chunk times ``log(chunks / chunks holding it)``,
+    so a token in every chunk (a template marker, "the") counts nothing and
+    the chunk that names the question's subject most often comes first.
     """
     question = set(prompt[end:])
-    holders: list[set[int]] = [
-        question.intersection(prompt[s : s + n])
+    counts = [
+        Counter(t for t in prompt[s : s + n] if t in question)
         for s, n in zip(starts[1:], lengths[1:], strict=True)
     ]
-    spread = Counter(token for held in holders for token in held)
-    num_chunks = len(holders)
+    spread = Counter(token for held in counts for token in held)
+    num_chunks = len(counts)
     scores = [
-        sum(1.0 / spread[t] for t in held if spread[t] < num_chunks) for held in holders
+        sum(n * math.log(num_chunks / spread[t]) for t, n in held.items())
+        for held in counts
     ]
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     return [i + 1 for i in ranked if scores[i] > 0]

@@ -42,7 +42,6 @@ from vllm_kvreuse.chunk_cache.plan import (
     ChunkPlan,
     FillSpec,
     LoadSpec,
-    Piece,
     PlannedChunk,
     SaveSpec,
 )
@@ -306,7 +305,7 @@ class ChunkScheduler:
                 plan = self.plans[request_id]
                 blocks = self._block_ids(request_id)
                 meta.loads.append(
-                    LoadSpec(request_id, blocks, _pieces(plan, start, stop))
+                    LoadSpec(request_id, blocks, plan.pieces(start, stop))
                 )
                 if stop >= plan.last_load_end:
                     self._unpin(plan)
@@ -386,28 +385,3 @@ class ChunkScheduler:
     def _block_ids(self, request_id: str) -> list[int]:
         assert self._kv_cache_manager is not None
         return list(self._kv_cache_manager.get_block_ids(request_id)[0])
-
-
-def _overlap(chunk: PlannedChunk, end: int) -> int:
-    """How many of ``chunk``'s tokens stand before position ``end``."""
-    return max(0, min(chunk.length, end - chunk.start))
-
-
-def _pieces(plan: ChunkPlan, start: int, stop: int) -> list[Piece]:
-    """The parts of ``plan``'s chunks in ``[start, stop)``."""
-    pieces = []
-    for chunk in plan.chunks:
-        skip = _overlap(chunk, start)
-        count = _overlap(chunk, stop) - skip
-        if count <= 0:
-            continue
-        pieces.append(
-            Piece(
-                key=chunk.key,
-                src_start=skip,
-                dst_start=chunk.start + skip,
-                count=count,
-                delta=chunk.start - chunk.virtual_start,
-            )
-        )
-    return pieces
