@@ -37,17 +37,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.beam import result as beam_result
 from vllm_kvreuse.beam.catalog_policy import catalog_args, catalog_step
 from vllm_kvreuse.beam.catalog_setup import engine_catalog
-from vllm_kvreuse.beam.gate import park_steps_that_do_not_fit
+from vllm_kvreuse.beam.gate import steps_that_do_not_fit
 from vllm_kvreuse.beam.group import BeamGroup, member_request
-from vllm_kvreuse.beam.live import (
-    carriers,
-    hold_out,
-    preempt,
-    put_back,
-    stalled,
-    unsample,
-    with_catalog_args,
-)
+from vllm_kvreuse.beam.live import carriers, stalled, to_hold, with_catalog_args
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.core.reseat import Move
@@ -77,8 +69,8 @@ class EngineBeamSearch(Feature):
         self._sampled: set[str] = set()  # live members whose row is in
         # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
         self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
-        cache_config = core.scheduler.cache_config
-        self._hash_block_size = cache_config.hash_block_size or core.block_size
+        self._upstream = core.upstream
+        self._hash_block_size = core.upstream.hash_block_size
 
     # -- requests --------------------------------------------------------------
 
@@ -122,18 +114,18 @@ class EngineBeamSearch(Feature):
     def before_schedule(self) -> None:
         if not self._groups:
             return
-        scheduler = self.core.scheduler
-        self._parked = park_steps_that_do_not_fit(
-            scheduler, self._groups, self._member_group
-        )
-        self._held = hold_out(scheduler, self._member_group, self._sampled)
+        upstream = self._upstream
+        self._parked = steps_that_do_not_fit(upstream, self._groups, self._member_group)
+        upstream.park(self._parked)
+        self._held = to_hold(upstream, self._member_group, self._sampled)
+        upstream.hold(self._held)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         if self._parked:  # back at the head, in their order
-            self.core.scheduler.waiting.prepend_requests(reversed(self._parked))
+            self._upstream.unpark(self._parked)
             self._parked = []
         if self._held:
-            put_back(self.core.scheduler, self._held)
+            self._upstream.put_back(self._held)
             self._held = []
 
     def on_preempt(self, request: Request) -> None:
@@ -145,7 +137,7 @@ class EngineBeamSearch(Feature):
         group = self._member_group.get(request.request_id)
         if group is not None:
             group.results.pop(request.request_id, None)
-        unsample(request, self._hash_block_size)
+        self._upstream.unsample(request)
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
         self._take(output)
@@ -177,10 +169,10 @@ class EngineBeamSearch(Feature):
             if any(beam_id in ledger for beam_id in group.beam_ids):
                 self._release_held(group.beam_ids)
                 return True
-        scheduler = self.core.scheduler
+        requests = self.core.scheduler.requests
         for group in self._groups.values():
-            if group.live and (stuck := stalled(scheduler, group, self._sampled)):
-                preempt(scheduler, stuck)
+            if group.live and (stuck := stalled(requests, group, self._sampled)):
+                self._upstream.preempt(stuck)
                 return True
         return False
 
@@ -283,8 +275,7 @@ class EngineBeamSearch(Feature):
     def _can_live(self, group: BeamGroup) -> bool:
         """Members can outlive a step: blocks can be handed over, and the
         whole width fits the running seats at once."""
-        scheduler = self.core.scheduler
-        seats = min(scheduler.max_num_running_reqs, scheduler.max_num_active_reqs)
+        seats = self._upstream.seat_limit()
         return self.core.ledger.enabled and group.config.width <= seats
 
     def _reseat(
