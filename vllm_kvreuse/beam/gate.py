@@ -41,7 +41,7 @@ def steps_that_do_not_fit(
     """
     waiting: dict[str, list[Request]] = {}  # root id -> waiting members
     live: set[str] = set()  # groups whose members need seats at once
-    for request in upstream.waiting():
+    for request in upstream.waiting_requests():
         group = member_group.get(request.request_id)
         if group is not None and request.request_id != group.root_id:
             waiting.setdefault(group.root_id, []).append(request)

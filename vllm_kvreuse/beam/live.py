@@ -79,7 +79,7 @@ def to_hold(
     their seats."""
     return [
         r
-        for r in upstream.running()
+        for r in upstream.running_requests()
         if (group := member_group.get(r.request_id)) is not None
         and group.live
         and r.request_id != group.root_id

@@ -191,11 +191,11 @@ class Upstream:
 
     # -- queues and seats ----------------------------------------------------------
 
-    def running(self) -> list[Request]:
+    def running_requests(self) -> list[Request]:
         """The running queue (upstream's list: read, do not change)."""
         return self._scheduler.running
 
-    def waiting(self) -> Iterable[Request]:
+    def waiting_requests(self) -> Iterable[Request]:
         """The waiting queue, in order (read, do not change)."""
         return self._scheduler.waiting
 
