@@ -66,7 +66,6 @@ class EngineBeamSearch(Feature):
         self._ready: dict[str, BeamGroup] = {}
         self._parked: list[Request] = []
         self._held: list[Request] = []  # live members out of this schedule
-        self._sampled: set[str] = set()  # live members whose row is in
         # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
         self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
         self._upstream = core.upstream
@@ -117,7 +116,7 @@ class EngineBeamSearch(Feature):
         upstream = self._upstream
         self._parked = steps_that_do_not_fit(upstream, self._groups, self._member_group)
         upstream.park(self._parked)
-        self._held = to_hold(upstream, self._member_group, self._sampled)
+        self._held = to_hold(upstream, self._member_group)
         upstream.hold(self._held)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
@@ -131,12 +130,11 @@ class EngineBeamSearch(Feature):
     def on_preempt(self, request: Request) -> None:
         """A live member preempted after sampling forgets that row: it
         resumes from its beam's tokens and samples the same position again."""
-        if request.request_id not in self._sampled:
-            return
-        self._sampled.discard(request.request_id)
         group = self._member_group.get(request.request_id)
-        if group is not None:
-            group.results.pop(request.request_id, None)
+        if group is None or request.request_id not in group.sampled:
+            return
+        group.sampled.discard(request.request_id)
+        group.results.pop(request.request_id, None)
         self._upstream.unsample(request)
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
@@ -171,7 +169,7 @@ class EngineBeamSearch(Feature):
                 return True
         requests = self.core.scheduler.requests
         for group in self._groups.values():
-            if group.live and (stuck := stalled(requests, group, self._sampled)):
+            if group.live and (stuck := stalled(requests, group)):
                 self._upstream.preempt(stuck)
                 return True
         return False
@@ -197,11 +195,11 @@ class EngineBeamSearch(Feature):
             return False
         if out.finish_reason is None:  # a live member's step
             if group.live and out.new_logprobs is not None:
-                self._sampled.add(out.request_id)
+                group.sampled.add(out.request_id)
                 self._record(group, out)
             return True
         del self._member_group[out.request_id]
-        self._sampled.discard(out.request_id)
+        group.sampled.discard(out.request_id)
         is_root = out.request_id == group.root.request_id
         failed = out.finish_reason not in _OK or out.new_logprobs is None
         if failed or group.live:  # a live member never finishes on its own
@@ -239,7 +237,7 @@ class EngineBeamSearch(Feature):
         if group.root.request_id not in self._groups:
             return  # dropped meanwhile
         rows = [group.results.pop(beam.request_id) for beam in group.beams]
-        self._sampled.difference_update(beam.request_id for beam in group.beams)
+        group.sampled.difference_update(beam.request_id for beam in group.beams)
         nodes: list[int] = []
         if group.config.sid_catalog:
             assert self.catalog is not None
@@ -382,7 +380,6 @@ class EngineBeamSearch(Feature):
         live = [rid for rid, owner in self._member_group.items() if owner is group]
         for request_id in live:
             del self._member_group[request_id]
-            self._sampled.discard(request_id)
         self._release_held(group.beam_ids)
         self.core.abort(r for r in live if r != group.root.request_id)
 

@@ -35,6 +35,9 @@ class BeamGroup:
     config: BeamConfig
     beams: list[Beam]
     results: dict[str, Row] = field(default_factory=dict)
+    # Live members whose row of this step is in (they sit out schedules
+    # until the step is taken).
+    sampled: set[str] = field(default_factory=set)
     completed: list[BeamSearchSequence] = field(default_factory=list)
     previous: list[str] = field(default_factory=list)
     step: int = 0

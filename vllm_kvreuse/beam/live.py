@@ -34,7 +34,7 @@ carries which beam, who is stalled); :mod:`vllm_kvreuse.core.upstream` and
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import SamplingParams
@@ -71,31 +71,29 @@ def carriers(
 def to_hold(
     upstream: Upstream,
     member_group: Mapping[str, BeamGroup],
-    sampled: Collection[str],
 ) -> list[Request]:
-    """The running live members that have sampled this step (``sampled``)
-    or whose output is still in flight (async scheduling), in queue order:
-    they sit out the next ``schedule()`` (:meth:`Upstream.hold`), keeping
-    their seats."""
+    """The running live members that have sampled this step (their
+    group's ``sampled``) or whose output is still in flight (async
+    scheduling), in queue order: they sit out the next ``schedule()``
+    (:meth:`Upstream.hold`), keeping their seats."""
     return [
         r
         for r in upstream.running_requests()
         if (group := member_group.get(r.request_id)) is not None
         and group.live
         and r.request_id != group.root_id
-        and (r.request_id in sampled or upstream.in_flight(r))
+        and (r.request_id in group.sampled or upstream.in_flight(r))
     ]
 
 
-def stalled(
-    requests: Mapping[str, Request], group: BeamGroup, sampled: Collection[str]
-) -> list[Request]:
-    """The group's members that have sampled this step (``sampled``) and wait
+def stalled(requests: Mapping[str, Request], group: BeamGroup) -> list[Request]:
+    """The group's members that have sampled this step and wait
     for a sibling that is not running; empty if none wait or every missing
     sibling runs. A running sibling (its output in flight) samples without
     help: preempting the waiting members then would only swap which member
     waits, step after step. ``requests``: the scheduler's, by id."""
     members = [requests.get(beam.request_id) for beam in group.beams]
+    sampled = group.sampled
     done = [r for r in members if r is not None and r.request_id in sampled]
     missing = [r for r in members if r is None or r.request_id not in sampled]
     if any(r is None or r.status != RequestStatus.RUNNING for r in missing):
