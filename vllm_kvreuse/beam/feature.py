@@ -37,17 +37,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.beam import result as beam_result
 from vllm_kvreuse.beam.catalog_policy import catalog_args, catalog_step
 from vllm_kvreuse.beam.catalog_setup import engine_catalog
-from vllm_kvreuse.beam.gate import park_steps_that_do_not_fit
+from vllm_kvreuse.beam.gate import steps_that_do_not_fit
 from vllm_kvreuse.beam.group import BeamGroup, member_request
-from vllm_kvreuse.beam.live import (
-    carriers,
-    hold_out,
-    preempt,
-    put_back,
-    stalled,
-    unsample,
-    with_catalog_args,
-)
+from vllm_kvreuse.beam.live import carriers, stalled, to_hold, with_catalog_args
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.core.reseat import Move
@@ -74,11 +66,10 @@ class EngineBeamSearch(Feature):
         self._ready: dict[str, BeamGroup] = {}
         self._parked: list[Request] = []
         self._held: list[Request] = []  # live members out of this schedule
-        self._sampled: set[str] = set()  # live members whose row is in
         # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
         self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
-        cache_config = core.scheduler.cache_config
-        self._hash_block_size = cache_config.hash_block_size or core.block_size
+        self._upstream = core.upstream
+        self._hash_block_size = core.upstream.hash_block_size
 
     # -- requests --------------------------------------------------------------
 
@@ -122,30 +113,29 @@ class EngineBeamSearch(Feature):
     def before_schedule(self) -> None:
         if not self._groups:
             return
-        scheduler = self.core.scheduler
-        self._parked = park_steps_that_do_not_fit(
-            scheduler, self._groups, self._member_group
-        )
-        self._held = hold_out(scheduler, self._member_group, self._sampled)
+        upstream = self._upstream
+        self._parked = steps_that_do_not_fit(upstream, self._groups, self._member_group)
+        upstream.park(self._parked)
+        self._held = to_hold(upstream, self._member_group)
+        upstream.hold(self._held)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         if self._parked:  # back at the head, in their order
-            self.core.scheduler.waiting.prepend_requests(reversed(self._parked))
+            self._upstream.unpark(self._parked)
             self._parked = []
         if self._held:
-            put_back(self.core.scheduler, self._held)
+            self._upstream.put_back(self._held)
             self._held = []
 
     def on_preempt(self, request: Request) -> None:
         """A live member preempted after sampling forgets that row: it
         resumes from its beam's tokens and samples the same position again."""
-        if request.request_id not in self._sampled:
-            return
-        self._sampled.discard(request.request_id)
         group = self._member_group.get(request.request_id)
-        if group is not None:
-            group.results.pop(request.request_id, None)
-        unsample(request, self._hash_block_size)
+        if group is None or request.request_id not in group.sampled:
+            return
+        group.sampled.discard(request.request_id)
+        group.results.pop(request.request_id, None)
+        self._upstream.unsample(request)
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
         self._take(output)
@@ -177,10 +167,10 @@ class EngineBeamSearch(Feature):
             if any(beam_id in ledger for beam_id in group.beam_ids):
                 self._release_held(group.beam_ids)
                 return True
-        scheduler = self.core.scheduler
+        requests = self.core.scheduler.requests
         for group in self._groups.values():
-            if group.live and (stuck := stalled(scheduler, group, self._sampled)):
-                preempt(scheduler, stuck)
+            if group.live and (stuck := stalled(requests, group)):
+                self._upstream.preempt(stuck)
                 return True
         return False
 
@@ -205,11 +195,11 @@ class EngineBeamSearch(Feature):
             return False
         if out.finish_reason is None:  # a live member's step
             if group.live and out.new_logprobs is not None:
-                self._sampled.add(out.request_id)
+                group.sampled.add(out.request_id)
                 self._record(group, out)
             return True
         del self._member_group[out.request_id]
-        self._sampled.discard(out.request_id)
+        group.sampled.discard(out.request_id)
         is_root = out.request_id == group.root.request_id
         failed = out.finish_reason not in _OK or out.new_logprobs is None
         if failed or group.live:  # a live member never finishes on its own
@@ -247,7 +237,7 @@ class EngineBeamSearch(Feature):
         if group.root.request_id not in self._groups:
             return  # dropped meanwhile
         rows = [group.results.pop(beam.request_id) for beam in group.beams]
-        self._sampled.difference_update(beam.request_id for beam in group.beams)
+        group.sampled.difference_update(beam.request_id for beam in group.beams)
         nodes: list[int] = []
         if group.config.sid_catalog:
             assert self.catalog is not None
@@ -283,8 +273,7 @@ class EngineBeamSearch(Feature):
     def _can_live(self, group: BeamGroup) -> bool:
         """Members can outlive a step: blocks can be handed over, and the
         whole width fits the running seats at once."""
-        scheduler = self.core.scheduler
-        seats = min(scheduler.max_num_running_reqs, scheduler.max_num_active_reqs)
+        seats = self._upstream.seat_limit()
         return self.core.ledger.enabled and group.config.width <= seats
 
     def _reseat(
@@ -391,7 +380,6 @@ class EngineBeamSearch(Feature):
         live = [rid for rid, owner in self._member_group.items() if owner is group]
         for request_id in live:
             del self._member_group[request_id]
-            self._sampled.discard(request_id)
         self._release_held(group.beam_ids)
         self.core.abort(r for r in live if r != group.root.request_id)
 

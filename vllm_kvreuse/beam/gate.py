@@ -22,28 +22,26 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     from vllm_kvreuse.beam.group import BeamGroup
+    from vllm_kvreuse.core.upstream import Upstream
 
 
-def park_steps_that_do_not_fit(
-    scheduler: Scheduler,
+def steps_that_do_not_fit(
+    upstream: Upstream,
     root_ids: Iterable[str],
     member_group: Mapping[str, BeamGroup],
 ) -> list[Request]:
-    """Removes from ``scheduler.waiting`` every waiting member of a group
-    whose step does not fit the free blocks; returns them, queue order.
+    """Every waiting member of a group whose step does not fit the free
+    blocks (and, for a live group, the free seats), queue order.
 
     ``root_ids``: the groups, oldest first; ``member_group``: live member
-    (and root) id -> its group. The caller must prepend the returned
-    requests to the queue once the step is scheduled.
+    (and root) id -> its group. The caller parks them
+    (:meth:`Upstream.park`) for one step and puts them back at the head
+    once the step is scheduled.
     """
-    if not scheduler.waiting:
-        return []
     waiting: dict[str, list[Request]] = {}  # root id -> waiting members
     live: set[str] = set()  # groups whose members need seats at once
-    for request in scheduler.waiting:
+    for request in upstream.waiting_requests():
         group = member_group.get(request.request_id)
         if group is not None and request.request_id != group.root_id:
             waiting.setdefault(group.root_id, []).append(request)
@@ -51,8 +49,8 @@ def park_steps_that_do_not_fit(
                 live.add(group.root_id)
     if not waiting:
         return []
-    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    seats = scheduler.max_num_active_reqs - len(scheduler.running)
+    free = upstream.num_free_blocks()
+    seats = upstream.free_seats()
     parked: list[Request] = []
     for root_id in root_ids:  # oldest first
         members = waiting.get(root_id)
@@ -64,6 +62,4 @@ def park_steps_that_do_not_fit(
             seats -= len(members) if needs_seats else 0
         else:
             parked += members
-    if parked:
-        scheduler.waiting.remove_requests(parked)
     return parked

@@ -18,6 +18,7 @@ from vllm.v1.request import Request
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
 from vllm_kvreuse.core.request_keys import PARENT
+from vllm_kvreuse.core.upstream import never_stop, share_block_hashes
 
 
 @dataclass(slots=True)
@@ -34,6 +35,9 @@ class BeamGroup:
     config: BeamConfig
     beams: list[Beam]
     results: dict[str, Row] = field(default_factory=dict)
+    # Live members whose row of this step is in (they sit out schedules
+    # until the step is taken).
+    sampled: set[str] = field(default_factory=set)
     completed: list[BeamSearchSequence] = field(default_factory=list)
     previous: list[str] = field(default_factory=list)
     step: int = 0
@@ -112,10 +116,7 @@ def member_request(
     sampling.extra_args = {PARENT: parent_id, **extra_args}
     if live:
         sampling.max_tokens = group.config.max_tokens + 1
-        sampling.min_tokens = 0
-        sampling.stop_token_ids = None
-        sampling._eos_token_id = None
-        sampling._all_stop_token_ids = set()
+        never_stop(sampling)
     request = Request(
         request_id=f"{root.request_id}-beam{group.step}-{index}",
         prompt_token_ids=list(tokens),
@@ -127,11 +128,6 @@ def member_request(
         priority=root.priority,
     )
     # Every beam starts with the root's prompt: reuse its full-block
-    # hashes and hash only the blocks past them (hashes chain, so the
-    # hasher continues from the last one).
-    request.block_hashes = root.block_hashes[
-        : root.num_prompt_tokens // hash_block_size
-    ]
-    request._block_hasher = root._block_hasher
-    request.update_block_hashes()
+    # hashes and hash only the blocks past them.
+    share_block_hashes(request, root, root.num_prompt_tokens // hash_block_size)
     return request

@@ -21,16 +21,20 @@ an ordinary running request.
 
 Between a member's output and its group's next step (its siblings have not
 all sampled, or with async scheduling its output is still in flight) the
-member must not run: :func:`hold_out` takes such members out of the running
-queue for one ``schedule()``, and :func:`put_back` returns them. Only a
+member must not run: :func:`to_hold` names such members, and the upstream
+seam (:class:`~vllm_kvreuse.core.upstream.Upstream`) takes them out of the
+running queue for one ``schedule()`` and puts them back after it. Only a
 width that fits the running seats (``max_num_seqs``) lives.
+
+This module only decides (which members sit out a step, which request
+carries which beam, who is stalled); :mod:`vllm_kvreuse.core.upstream` and
+:mod:`vllm_kvreuse.core.reseat` apply it to upstream's state.
 """
 
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import SamplingParams
@@ -39,9 +43,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.core.request_keys import PARENT
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     from vllm_kvreuse.beam.group import BeamGroup
+    from vllm_kvreuse.core.upstream import Upstream
 
 
 def carriers(
@@ -65,74 +68,37 @@ def carriers(
     return rows, [p for p in parents if p not in taken]
 
 
-def hold_out(
-    scheduler: Scheduler,
+def to_hold(
+    upstream: Upstream,
     member_group: Mapping[str, BeamGroup],
-    sampled: Collection[str],
 ) -> list[Request]:
-    """Takes out of the running queue every live member that has sampled
-    this step (``sampled``) or whose output is still in flight (async
-    scheduling); returns them in queue order. They keep their seats: the
-    admission limits shrink by as many until :func:`put_back`."""
-    running = scheduler.running
-    held = [
+    """The running live members that have sampled this step (their
+    group's ``sampled``) or whose output is still in flight (async
+    scheduling), in queue order: they sit out the next ``schedule()``
+    (:meth:`Upstream.hold`), keeping their seats."""
+    return [
         r
-        for r in running
+        for r in upstream.running_requests()
         if (group := member_group.get(r.request_id)) is not None
         and group.live
         and r.request_id != group.root_id
-        and (r.request_id in sampled or r.num_output_placeholders > 0)
+        and (r.request_id in group.sampled or upstream.in_flight(r))
     ]
-    if held:
-        gone = set(map(id, held))
-        running[:] = [r for r in running if id(r) not in gone]
-        scheduler.max_num_running_reqs -= len(held)
-        scheduler.max_num_active_reqs -= len(held)
-    return held
 
 
-def put_back(scheduler: Scheduler, held: list[Request]) -> None:
-    """Returns held requests, and their seats, to the head of the running
-    queue: they have already run this step, so they are the last to be
-    preempted."""
-    scheduler.running[:0] = held
-    scheduler.max_num_running_reqs += len(held)
-    scheduler.max_num_active_reqs += len(held)
-
-
-def stalled(
-    scheduler: Scheduler, group: BeamGroup, sampled: Collection[str]
-) -> list[Request]:
-    """The group's members that have sampled this step (``sampled``) and wait
+def stalled(requests: Mapping[str, Request], group: BeamGroup) -> list[Request]:
+    """The group's members that have sampled this step and wait
     for a sibling that is not running; empty if none wait or every missing
     sibling runs. A running sibling (its output in flight) samples without
     help: preempting the waiting members then would only swap which member
-    waits, step after step."""
-    members = [scheduler.requests.get(beam.request_id) for beam in group.beams]
+    waits, step after step. ``requests``: the scheduler's, by id."""
+    members = [requests.get(beam.request_id) for beam in group.beams]
+    sampled = group.sampled
     done = [r for r in members if r is not None and r.request_id in sampled]
     missing = [r for r in members if r is None or r.request_id not in sampled]
     if any(r is None or r.status != RequestStatus.RUNNING for r in missing):
         return done
     return []
-
-
-def preempt(scheduler: Scheduler, requests: list[Request]) -> None:
-    """Preempts running ``requests`` as upstream does (out of the running
-    queue, blocks freed, back to waiting). Only for requests this step did
-    not schedule."""
-    scheduler.running[:] = [r for r in scheduler.running if r not in requests]
-    now = time.monotonic()
-    for request in requests:
-        scheduler._preempt_request(request, now)
-
-
-def unsample(request: Request, hash_block_size: int) -> None:
-    """Takes back a member's sampled token (its row was dropped): it will
-    compute the same position again."""
-    request._all_token_ids.pop()
-    if request._output_token_ids:
-        request._output_token_ids.pop()
-    del request.block_hashes[request.num_tokens // hash_block_size :]
 
 
 def with_catalog_args(request: Request, catalog_args: dict[str, int]) -> SamplingParams:

@@ -27,6 +27,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.continuation import params
 from vllm_kvreuse.continuation.records import FinishedRecords
 from vllm_kvreuse.core.feature import Feature
+from vllm_kvreuse.core.upstream import api_process_count
 
 if TYPE_CHECKING:
     from vllm_kvreuse.core.context import Core
@@ -47,14 +48,14 @@ class Continuation(Feature):
         super().__init__(core)
         config = core.config
         self.default_ttl = config.retain_kv_ttl
-        num_usable_blocks = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        num_usable_blocks = core.upstream.num_pool_blocks
         self.max_blocks = int(config.retain_kv_max_fraction * (num_usable_blocks - 1))
         # Children may reach another API-server process than their parent:
         # keep what they need here, where every API server can ask for it.
         parallel = core.scheduler.vllm_config.parallel_config
         self.records = (
             FinishedRecords(self.default_ttl)
-            if getattr(parallel, "_api_process_count", 1) > 1
+            if api_process_count(parallel) > 1
             else None
         )
 

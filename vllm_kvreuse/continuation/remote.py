@@ -30,6 +30,7 @@ from vllm_kvreuse.continuation.registry import (
     ParentRegistry,
 )
 from vllm_kvreuse.core.request_keys import PARENT
+from vllm_kvreuse.core.upstream import api_process_count
 
 MAX_ID_LENGTH = 512
 """Longer ``continuation_of`` values are not sent to the engines."""
@@ -41,7 +42,7 @@ POLL_SECONDS = (0.005, 0.02, 0.05, 0.1)
 def is_multi_process(vllm_config: Any) -> bool:
     """Whether children may land on another API-server process than their
     parent's (``--api-server-count``, or DP's default of one per rank)."""
-    return getattr(vllm_config.parallel_config, "_api_process_count", 1) > 1
+    return api_process_count(vllm_config.parallel_config) > 1
 
 
 def client_keys(response_id: str, choice: int) -> list[str]:

@@ -19,21 +19,17 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from vllm_kvreuse.core.upstream import referenced_blocks
+
 
 def expected_references(scheduler: Any) -> Counter[int]:
     """Block id -> references the scheduler's owners account for."""
-    refs: Counter[int] = Counter()
-    manager = scheduler.kv_cache_manager
-    for single in manager.coordinator.single_type_managers:
-        for blocks in single.req_to_blocks.values():
-            refs.update(b.block_id for b in blocks if not b.is_null)
-        for pair in single._pending_cow_copies:
-            refs.update(b.block_id for b in pair)
+    refs: Counter[int] = Counter(
+        b.block_id for b in referenced_blocks(scheduler) if not b.is_null
+    )
     layer = getattr(scheduler, "kvreuse", None)
     if layer is not None:
         refs.update(b.block_id for b in layer.ledger.held_blocks())
-    for _, blocks in getattr(scheduler, "deferred_frees", ()):
-        refs.update(b.block_id for b in blocks if not b.is_null)
     return refs
 
 

@@ -3,7 +3,10 @@
 The :class:`Core` is built once per scheduler by the hook layer. Features
 read scheduler state through ``core.scheduler`` and change it only through
 upstream's own methods or the services here, so block ownership stays
-where :mod:`vllm_kvreuse.core.ledger` and upstream say it is.
+where :mod:`vllm_kvreuse.core.ledger` and upstream say it is. Upstream
+state no public method reaches (queues, seat limits, block tables) is read
+and changed through ``core.upstream`` (:mod:`vllm_kvreuse.core.upstream`),
+whose every attribute is registered and checked per vLLM release.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.internal import InternalRequests
 from vllm_kvreuse.core.ledger import BlockLedger
 from vllm_kvreuse.core.reseat import Reseats
+from vllm_kvreuse.core.upstream import Upstream
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -32,6 +36,7 @@ class Core:
     - ``ledger``: blocks held past their request's life;
     - ``internal``: requests the plugin spawns;
     - ``reseats``: running requests moved onto other requests' KV;
+    - ``upstream``: the one seam to upstream's internal state;
     - :meth:`emit`: outputs the engine itself finishes requests with
       (rejections, errors, beam results), delivered with the next step's;
     - :meth:`fail`, :meth:`abort`: finish requests at the next safe point
@@ -43,9 +48,10 @@ class Core:
     def __init__(self, scheduler: Scheduler, config: KVReuseConfig) -> None:
         self.scheduler = scheduler
         self.config = config
-        self.ledger = BlockLedger(scheduler.kv_cache_manager, scheduler.block_size)
+        self.upstream = Upstream(scheduler)
+        self.ledger = BlockLedger(self.upstream)
         self.internal = InternalRequests(scheduler.add_upstream)
-        self.reseats = Reseats(scheduler)
+        self.reseats = Reseats(self.upstream)
         self._emitted: list[tuple[int, EngineCoreOutput]] = []
         self._failed: dict[str, str] = {}
         self.client_salts: dict[str, str | None] = {}
@@ -137,9 +143,8 @@ class Core:
             self.finish(failed, FinishReason.ERROR, stop_reason="kvreuse_error")
 
     def waiting_summary(self) -> dict[str, Any]:
-        scheduler = self.scheduler
         return {
-            "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "free_blocks": self.upstream.num_free_blocks(),
             "held_blocks": self.ledger.num_blocks(),
             "internal_requests": len(self.internal.owners),
         }

@@ -32,13 +32,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.request import Request
 
 from vllm_kvreuse.core.request_keys import PARENT
+
+if TYPE_CHECKING:
+    from vllm_kvreuse.core.upstream import Upstream
 
 Hit = tuple[KVCacheBlocks, int, int, bool]
 """What ``Scheduler._get_local_prefix_cache_hit`` returns: blocks, tokens,
@@ -82,26 +84,17 @@ def lora_id(request: Request) -> int:
 class BlockLedger:
     """Held KV by request id, oldest first; the blocks' extra references."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, block_size: int) -> None:
-        self._manager = kv_cache_manager
-        self._pool = kv_cache_manager.block_pool
-        self.block_size = block_size
+    def __init__(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        self.block_size = upstream.block_size
         self._entries: OrderedDict[str, HeldKV] = OrderedDict()
         self._by_tail: dict[Any, str] = {}
-        self.enabled = self._blocks_are_positional()
+        # Blocks can be handed over only where they hold the same positions
+        # for everyone (full attention, prefix caching on).
+        self.enabled = upstream.blocks_are_positional()
         # Set by a release; the layer clears it when a step starts. A release
         # after a step's stats were made needs one more (empty) step to show.
         self.released_since_step = False
-
-    def _blocks_are_positional(self) -> bool:
-        """Full attention in every group and prefix caching on: a block holds
-        the same positions for everyone, so it can be handed over."""
-        groups = self._manager.kv_cache_config.kv_cache_groups
-        return self._manager.enable_caching and all(
-            type(group.kv_cache_spec) is FullAttentionSpec
-            and group.kv_cache_spec.block_size == self.block_size
-            for group in groups
-        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -149,10 +142,10 @@ class BlockLedger:
         if not self.enabled or num_computed <= 0:
             return None
         num_blocks = -(-num_computed // self.block_size)
-        groups = self._manager.get_blocks(request.request_id).blocks
+        groups = self._upstream.blocks_of(request.request_id)
         blocks = tuple(list(group[:num_blocks]) for group in groups)
         for group in blocks:
-            self._pool.touch(group)
+            self._upstream.reference(group)
         num_full = num_computed // self.block_size
         tail_key = None
         if num_computed % self.block_size and num_full:
@@ -185,7 +178,7 @@ class BlockLedger:
                 del self._by_tail[entry.tail_key]
             for group in entry.blocks:
                 # Tail first, as upstream frees: tails are evicted first.
-                self._pool.free_blocks(reversed(group))
+                self._upstream.free(reversed(group))
             released += 1
         self.released_since_step |= released > 0
         return released
@@ -203,7 +196,7 @@ class BlockLedger:
         params = request.sampling_params
         extra_args = params.extra_args if params is not None else None
         parent_id = extra_args.get(PARENT) if extra_args else None
-        if parent_id is None or not self._manager.prefix_cache_lookup_enabled(request):
+        if parent_id is None or not self._upstream.lookup_enabled(request):
             return None
         entry = self.get(parent_id)
         if (

@@ -5,9 +5,10 @@ KV blocks plus one new token, without the request leaving the running
 queue: full blocks by reference, the partial tail copy-on-write. Engine
 beam search uses it to keep one request per beam alive across steps.
 
-The scheduler side (this module) changes the request, the block tables of
-the KV-cache managers and the block references, and queues the tail copies
-in the same managers' pending copy-on-write list that upstream drains into
+The scheduler side (this module) decides what moves where; the upstream
+seam (:mod:`.upstream`) changes the request, the block tables of the
+KV-cache managers and the block references, and queues the tail copies in
+the same managers' pending copy-on-write list that upstream drains into
 ``SchedulerOutput.kv_cache_block_copies`` at the next ``schedule()``. Both
 model runners run those copies before the forward pass.
 
@@ -38,12 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_kvreuse.core.upstream import Upstream
 
 
 @dataclass(slots=True)
@@ -76,15 +78,10 @@ class Move:
 class Reseats:
     """Re-seats of running requests, and their delivery to the workers."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-        self._managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-        self._pool = scheduler.kv_cache_manager.block_pool
-        self.block_size = scheduler.block_size
-        self._hash_block_size = (
-            scheduler.cache_config.hash_block_size or scheduler.block_size
-        )
-        self._v2 = bool(getattr(scheduler, "use_v2_model_runner", False))
+    def __init__(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        self.block_size = upstream.block_size
+        self._hash_block_size = upstream.hash_block_size
         self.pending: set[str] = set()
         """Re-seated requests whose workers have not been told yet."""
         self.num_moved = 0
@@ -96,17 +93,11 @@ class Reseats:
         num_blocks = -(-num_computed // self.block_size)
         return Seat(
             tokens=list(request.all_token_ids[:num_computed]),
-            blocks=tuple(
-                list(m.req_to_blocks[request.request_id][:num_blocks])
-                for m in self._managers
-            ),
+            blocks=self._upstream.table(request.request_id, num_blocks),
             block_hashes=list(
                 request.block_hashes[: num_computed // self._hash_block_size]
             ),
-            num_cached=tuple(
-                min(m.num_cached_block.get(request.request_id, 0), num_blocks)
-                for m in self._managers
-            ),
+            num_cached=self._upstream.num_cached(request.request_id, num_blocks),
         )
 
     def move(self, moves: list[Move]) -> None:
@@ -119,6 +110,7 @@ class Reseats:
         requests whose beams died always fits. Raises ``RuntimeError`` (and
         changes nothing) when the pool cannot cover it.
         """
+        upstream = self._upstream
         foreign = [m for m in moves if m.seat is not None]
         bs = self.block_size
         num_cows = sum(bool(len(m.seat.tokens) % bs) for m in foreign)  # type: ignore[union-attr]
@@ -126,42 +118,34 @@ class Reseats:
         #    a block the old and new tables share never reaches the free queue.
         for m in foreign:
             assert m.seat is not None
+            assert len(m.seat.blocks) == upstream.num_groups, "a seat per group"
             num_full = len(m.seat.tokens) // bs
             for group in m.seat.blocks:
-                self._pool.touch(group[:num_full])
+                upstream.reference(group[:num_full])
                 if len(group) > num_full:  # the copy source, retained
-                    self._pool.touch(group[num_full : num_full + 1])
+                    upstream.reference(group[num_full : num_full + 1])
         # 2. The old tables go.
         for m in foreign:
-            for manager in self._managers:
-                old = manager.req_to_blocks.pop(m.request.request_id, [])
-                manager.num_cached_block.pop(m.request.request_id, None)
-                self._pool.free_blocks(reversed(old))
-        if self._pool.get_num_free_blocks() < num_cows * len(self._managers):
+            upstream.drop_tables(m.request.request_id)
+        if upstream.num_free_blocks() < num_cows * upstream.num_groups:
             raise RuntimeError(
                 f"re-seat needs {num_cows} free blocks per KV-cache group, "
-                f"the pool has {self._pool.get_num_free_blocks()}"
+                f"the pool has {upstream.num_free_blocks()}"
             )
         # 3. New tables: shared full blocks, a private copy of the tail.
         for m in foreign:
             assert m.seat is not None
-            rid = m.request.request_id
             num_full = len(m.seat.tokens) // bs
-            for manager, group, cached in zip(
-                self._managers, m.seat.blocks, m.seat.num_cached, strict=True
+            for g, (group, cached) in enumerate(
+                zip(m.seat.blocks, m.seat.num_cached, strict=True)
             ):
                 table = list(group[:num_full])
                 if len(group) > num_full:
-                    source = group[num_full]
-                    (copy,) = self._pool.get_new_blocks(1)
-                    copy.ref_cnt += 1  # retained until the copy has run
-                    manager._pending_cow_copies.append((source, copy))
-                    if manager.records_new_block_ids:
-                        manager.new_block_ids.append(copy.block_id)
-                    table.append(copy)
+                    table.append(upstream.copy_tail(g, group[num_full]))
                     self.num_copied_blocks += 1
-                manager.req_to_blocks[rid] = table
-                manager.num_cached_block[rid] = min(cached, num_full)
+                upstream.set_table(
+                    g, m.request.request_id, table, min(cached, num_full)
+                )
         # 4. Tokens, hashes, params.
         for m in moves:
             self._retoken(m)
@@ -169,46 +153,20 @@ class Reseats:
         self.num_moved += len(foreign)
 
     def _retoken(self, m: Move) -> None:
-        request = m.request
-        seat = m.seat or self.seat_of(request)
-        tokens = [*seat.tokens, m.token]
-        # As a streaming update leaves it: the whole history is the prompt.
-        request.prompt_token_ids = tokens.copy()
-        request.num_prompt_tokens = len(tokens)
-        request._all_token_ids[:] = tokens
-        request._output_token_ids.clear()
-        request.num_computed_tokens = len(seat.tokens)
-        request.spec_token_ids = []
-        request.block_hashes = list(seat.block_hashes)
-        request.update_block_hashes()
-        if m.sampling_params is not None:
-            request.sampling_params = m.sampling_params
+        seat = m.seat or self.seat_of(m.request)
+        self._upstream.retoken(
+            m.request,
+            [*seat.tokens, m.token],
+            len(seat.tokens),
+            seat.block_hashes,
+            m.sampling_params,
+        )
 
     def deliver(self, output: SchedulerOutput) -> None:
         """Sends each scheduled re-seated request to its workers as a
         streaming update (a ``NewRequestData`` for an id they know)."""
-        if not self.pending:
-            return
-        for new in output.scheduled_new_reqs:  # V2 resumes: already whole
-            self.pending.discard(new.req_id)
-        cached = output.scheduled_cached_reqs
-        picked = [i for i, rid in enumerate(cached.req_ids) if rid in self.pending]
-        if not picked:
-            return
-        requests = self._scheduler.requests
-        manager = self._scheduler.kv_cache_manager
-        for i in picked:
-            request = requests[cached.req_ids[i]]
-            new = NewRequestData.from_request(
-                request,
-                manager.get_block_ids(request.request_id),
-                list(request.all_token_ids) if self._v2 else None,
-            )
-            # schedule() has already advanced the request past this step.
-            new.num_computed_tokens = cached.num_computed_tokens[i]
-            output.scheduled_new_reqs.append(new)
-            self.pending.discard(request.request_id)
-        _drop_rows(cached, set(picked))
+        if self.pending:
+            self.pending -= self._upstream.send_whole(output, self.pending)
 
     def resend(self, request_id: str) -> None:
         """The workers' copy of a running request is stale (a feature moved
@@ -218,30 +176,13 @@ class Reseats:
     def copies_queued(self) -> bool:
         """Tail copies wait for the next ``schedule()``, which drains them
         and drops their endpoints' extra references."""
-        return any(m._pending_cow_copies for m in self._managers)
+        return self._upstream.copies_queued()
 
     def cancel_copies(self) -> None:
         """Drops the queued tail copies and their extra references. Only
         when every running request is being preempted (a full prefix-cache
         reset): their KV is recomputed, so the copies are moot."""
-        for manager in self._managers:
-            pairs = manager.take_pending_cow_copies()
-            self._pool.free_blocks(block for pair in pairs for block in pair)
+        self._upstream.cancel_copies()
 
     def forget(self, request_id: str) -> None:
         self.pending.discard(request_id)
-
-
-def _drop_rows(cached: Any, rows: set[int]) -> None:
-    """Removes rows from a ``CachedRequestData`` (its lists are parallel)."""
-    keep = [i for i in range(len(cached.req_ids)) if i not in rows]
-    gone = {cached.req_ids[i] for i in rows}
-    cached.req_ids = [cached.req_ids[i] for i in keep]
-    cached.new_block_ids = [cached.new_block_ids[i] for i in keep]
-    cached.num_computed_tokens = [cached.num_computed_tokens[i] for i in keep]
-    cached.num_output_tokens = [cached.num_output_tokens[i] for i in keep]
-    if cached.new_token_ids:
-        cached.new_token_ids = [cached.new_token_ids[i] for i in keep]
-    cached.resumed_req_ids = cached.resumed_req_ids - gone
-    for rid in gone:
-        cached.all_token_ids.pop(rid, None)

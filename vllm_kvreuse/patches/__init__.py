@@ -10,7 +10,11 @@ would let us delete it.
 - ``startup.py``: the plugin's settings into vLLM, the scheduler choice;
 - ``serving.py``: the OpenAI server and the ``LLM`` API: request fields,
   renderers, outputs;
-- ``engine.py``: the engine clients, the engine core and the workers.
+- ``engine.py``: the engine clients, the engine core and the workers;
+- ``upstream_state.py``: not patches: the upstream internal attributes the
+  plugin's one seam (:mod:`vllm_kvreuse.core.upstream`) reads or changes,
+  each checked per release on real objects
+  (``tests/unit/test_upstream_state.py``).
 
 Rules:
 - A patch wraps the original (kept as ``__wrapped__``) and calls it; none
@@ -39,14 +43,17 @@ from vllm_kvreuse.patches.registry import (
     signature_of,
 )
 from vllm_kvreuse.patches.startup import SCHEDULER_OVERRIDES
+from vllm_kvreuse.patches.upstream_state import UPSTREAM_STATE, UpstreamState
 
 __all__ = [
     "ABSENT",
     "PATCHES",
     "SCHEDULER_OVERRIDES",
+    "UPSTREAM_STATE",
     "V0_32_0",
     "Patch",
     "Runner",
+    "UpstreamState",
     "apply_all",
     "apply_for_runner",
     "is_patched",

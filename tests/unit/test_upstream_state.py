@@ -1,0 +1,133 @@
+"""The one seam to vLLM's internal state: every attribute it touches is
+registered, exists on the installed vLLM's real objects with its pinned
+signature, and no other module of the services or features reaches into it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.config import ModelConfig
+
+import vllm_kvreuse
+from tests.unit.conftest import make_request
+from tests.unit.scheduler_driver import make_full_scheduler
+from vllm_kvreuse.compat import SUPPORTED_VLLM, supported_release
+from vllm_kvreuse.patches import UPSTREAM_STATE, UpstreamState, signature_of
+from vllm_kvreuse.patches.upstream_state import ATTRIBUTE
+
+PACKAGE = Path(vllm_kvreuse.__file__).parent
+SEAM = PACKAGE / "core" / "upstream.py"
+CHECKED = [
+    *sorted((PACKAGE / "beam").glob("*.py")),
+    *sorted((PACKAGE / "continuation").glob("*.py")),
+    *(PACKAGE / "core" / f"{name}.py" for name in ("context", "ledger", "reseat")),
+]
+"""Modules that must reach upstream's internal state through the seam."""
+
+SCHEDULER_SIDE = (
+    "Scheduler",
+    "KVCacheManager",
+    "KVCacheCoordinator",
+    "SingleTypeKVCacheManager",
+    "BlockPool",
+    "KVCacheBlock",
+    "RequestQueue",
+)
+READ_EVERYWHERE = {"requests", "use_v2_model_runner", "num_gpu_blocks"}
+"""Reads, not state: features look requests up by id; the other two are
+also public fields of vLLM's configs (``VllmConfig``, ``CacheConfig``)."""
+
+
+def _owner_class(entry: UpstreamState) -> type:
+    module, qualname = entry.owner.split(":")
+    return getattr(importlib.import_module(module), qualname)
+
+
+@pytest.fixture(scope="module")
+def real_objects(model_config: ModelConfig) -> list[Any]:
+    """The upstream objects of a real scheduler (every feature on) after one
+    step: instance attributes exist only on these."""
+    scheduler = make_full_scheduler(model_config)
+    request = make_request("r", list(range(40)))
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    manager = scheduler.kv_cache_manager
+    return [
+        scheduler,
+        scheduler.waiting,
+        manager,
+        manager.coordinator,
+        manager.coordinator.single_type_managers[0],
+        manager.block_pool,
+        manager.block_pool.blocks[1],
+        request,
+        request.sampling_params,
+        scheduler.vllm_config.parallel_config,
+        output.scheduled_cached_reqs,
+        output.scheduled_new_reqs[0],
+    ]
+
+
+@pytest.mark.parametrize("entry", UPSTREAM_STATE, ids=lambda e: e.target)
+def test_each_attribute_exists_on_the_installed_vllm(
+    entry: UpstreamState, real_objects: list[Any]
+) -> None:
+    assert set(entry.releases) == set(SUPPORTED_VLLM), "pin every release"
+    owner = _owner_class(entry)
+    pinned = entry.releases[supported_release()]
+    if pinned != ATTRIBUTE:
+        assert signature_of(getattr(owner, entry.name, None)) == pinned, (
+            f"upstream changed {entry.target}, which core/upstream.py calls"
+        )
+        return
+    instances = [obj for obj in real_objects if isinstance(obj, owner)]
+    assert instances, f"no real {owner.__name__} to check {entry.name} on"
+    assert all(hasattr(obj, entry.name) for obj in instances), (
+        f"{entry.target} is gone from vLLM: core/upstream.py uses it"
+    )
+
+
+def test_every_entry_is_used_by_the_seam() -> None:
+    """The table lists what the seam touches, nothing it no longer does."""
+    used = _attribute_names(SEAM) | _strings(SEAM)
+    unused = [e.target for e in UPSTREAM_STATE if e.name not in used | {"__init__"}]
+    assert unused == [], "drop these from UPSTREAM_STATE"
+
+
+@pytest.mark.parametrize(
+    "path", CHECKED, ids=lambda p: p.relative_to(PACKAGE).as_posix()
+)
+def test_only_the_seam_reaches_into_upstream_state(path: Path) -> None:
+    """Private names, and the scheduler's and KV manager's state, only
+    through :mod:`vllm_kvreuse.core.upstream`."""
+    guarded = {
+        e.name
+        for e in UPSTREAM_STATE
+        if (e.name.startswith("_") and not e.name.startswith("__"))
+        or e.owner.endswith(SCHEDULER_SIDE)
+    } - READ_EVERYWHERE
+    touched = sorted(_attribute_names(path) & guarded)
+    assert touched == [], f"go through core/upstream.py for {touched}"
+
+
+def _attribute_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    }
+
+
+def _strings(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }

@@ -1,0 +1,329 @@
+"""The one seam between the plugin's services and vLLM's internal state.
+
+Every read and write of upstream scheduler, KV-cache-manager, request and
+scheduler-output state that beams and continuations need, beyond what a
+public upstream method does for them, is made here: the block tables and
+their copy-on-write queue, the running and waiting queues and the seat
+limits, a request's private token lists, the step output's parallel lists.
+The services (:mod:`.reseat`, :mod:`.ledger`) and the features call these
+methods; they decide, this module applies.
+
+Each upstream attribute touched here is registered per vLLM release in
+:data:`vllm_kvreuse.patches.upstream_state.UPSTREAM_STATE` (owner class,
+why, and the method's signature or the attribute's presence);
+``tests/unit/test_upstream_state.py`` checks every entry on real upstream
+objects and that no other module of ``core/``, ``beam/`` or
+``continuation/`` reaches into them.
+
+Invariants (ownership, as upstream keeps it):
+- A block table change moves references, never counts them by hand: a
+  table entry is one reference, a queued copy's two endpoints one each
+  until upstream's next ``schedule()`` drains the queue.
+- Queue edits (:meth:`Upstream.hold`, :meth:`Upstream.park`) are undone by
+  their pair (:meth:`Upstream.put_back`, :meth:`Upstream.unpark`) around a
+  single ``schedule()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+
+class Upstream:
+    """One scheduler's internal state, read and changed through named steps."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._manager = scheduler.kv_cache_manager
+        self._managers = self._manager.coordinator.single_type_managers
+        self._pool = self._manager.block_pool
+        self.block_size = scheduler.block_size
+        self.hash_block_size = (
+            scheduler.cache_config.hash_block_size or scheduler.block_size
+        )
+        self.v2 = bool(getattr(scheduler, "use_v2_model_runner", False))
+
+    # -- the block pool ----------------------------------------------------------
+
+    @property
+    def num_pool_blocks(self) -> int:
+        """Blocks of the pool, the null block included."""
+        return self._pool.num_gpu_blocks
+
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def reference(self, blocks: Iterable[Any]) -> None:
+        """Takes one reference on each block (a free one leaves the queue)."""
+        self._pool.touch(blocks)
+
+    def free(self, blocks: Iterable[Any]) -> None:
+        """Drops one reference on each, in the given order (pass tails first:
+        the free queue evicts in that order)."""
+        self._pool.free_blocks(blocks)
+
+    def blocks_are_positional(self) -> bool:
+        """Full attention in every KV-cache group and prefix caching on: a
+        block holds the same positions for everyone, so it can be handed over."""
+        groups = self._manager.kv_cache_config.kv_cache_groups
+        return self._manager.enable_caching and all(
+            type(group.kv_cache_spec) is FullAttentionSpec
+            and group.kv_cache_spec.block_size == self.block_size
+            for group in groups
+        )
+
+    def lookup_enabled(self, request: Request) -> bool:
+        """Whether upstream would look ``request`` up in the prefix cache."""
+        return self._manager.prefix_cache_lookup_enabled(request)
+
+    # -- block tables --------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups: one block table per group and request."""
+        return len(self._managers)
+
+    def blocks_of(self, request_id: str) -> tuple[list[Any], ...]:
+        """The request's block table in each group (upstream's lists)."""
+        return self._manager.get_blocks(request_id).blocks
+
+    def block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
+        return self._manager.get_block_ids(request_id)
+
+    def table(self, request_id: str, num_blocks: int) -> tuple[list[Any], ...]:
+        """Copies of the first ``num_blocks`` of each group's table."""
+        return tuple(
+            list(m.req_to_blocks[request_id][:num_blocks]) for m in self._managers
+        )
+
+    def num_cached(self, request_id: str, num_blocks: int) -> tuple[int, ...]:
+        """Per group, how many of those blocks are in the prefix cache."""
+        return tuple(
+            min(m.num_cached_block.get(request_id, 0), num_blocks)
+            for m in self._managers
+        )
+
+    def drop_tables(self, request_id: str) -> None:
+        """Empties the request's tables, dropping their references tail first."""
+        for manager in self._managers:
+            old = manager.req_to_blocks.pop(request_id, [])
+            manager.num_cached_block.pop(request_id, None)
+            self._pool.free_blocks(reversed(old))
+
+    def set_table(
+        self, group: int, request_id: str, table: list[Any], num_cached: int
+    ) -> None:
+        """Installs ``table`` (whose references the caller has taken) as the
+        request's table in KV-cache group ``group``."""
+        manager = self._managers[group]
+        manager.req_to_blocks[request_id] = table
+        manager.num_cached_block[request_id] = num_cached
+
+    def copy_tail(self, group: int, source: Any) -> Any:
+        """A new block that the workers fill with ``source``'s KV before the
+        next forward pass, as ``SingleTypeKVCacheManager._apply_cow`` queues
+        one: the copy's own reference goes to the caller's table, one more on
+        it and the caller's extra one on ``source`` are dropped by upstream
+        (``_free_cow_retained_blocks``) once the copy has run."""
+        manager = self._managers[group]
+        (copy,) = self._pool.get_new_blocks(1)
+        copy.ref_cnt += 1  # retained until the copy has run
+        manager._pending_cow_copies.append((source, copy))
+        if manager.records_new_block_ids:
+            manager.new_block_ids.append(copy.block_id)
+        return copy
+
+    def copies_queued(self) -> bool:
+        """Tail copies wait for the next ``schedule()``."""
+        return any(m._pending_cow_copies for m in self._managers)
+
+    def cancel_copies(self) -> None:
+        """Drops the queued tail copies and their endpoints' extra references."""
+        for manager in self._managers:
+            pairs = manager.take_pending_cow_copies()
+            self._pool.free_blocks(block for pair in pairs for block in pair)
+
+    # -- requests ------------------------------------------------------------------
+
+    @staticmethod
+    def retoken(
+        request: Request,
+        tokens: list[int],
+        num_computed: int,
+        block_hashes: list[Any],
+        sampling_params: SamplingParams | None,
+    ) -> None:
+        """Makes ``tokens`` the request's whole history and prompt, the first
+        ``num_computed`` of them computed, as a streaming update leaves it."""
+        request.prompt_token_ids = tokens.copy()
+        request.num_prompt_tokens = len(tokens)
+        request._all_token_ids[:] = tokens
+        request._output_token_ids.clear()
+        request.num_computed_tokens = num_computed
+        request.spec_token_ids = []
+        request.block_hashes = list(block_hashes)
+        request.update_block_hashes()
+        if sampling_params is not None:
+            request.sampling_params = sampling_params
+
+    def unsample(self, request: Request) -> None:
+        """Takes back the request's last sampled token and the hash of a
+        block it completed: it will compute that position again."""
+        request._all_token_ids.pop()
+        if request._output_token_ids:
+            request._output_token_ids.pop()
+        del request.block_hashes[request.num_tokens // self.hash_block_size :]
+
+    @staticmethod
+    def in_flight(request: Request) -> bool:
+        """An output of the request's is still on its way (async scheduling)."""
+        return request.num_output_placeholders > 0
+
+    # -- queues and seats ----------------------------------------------------------
+
+    def running_requests(self) -> list[Request]:
+        """The running queue (upstream's list: read, do not change)."""
+        return self._scheduler.running
+
+    def waiting_requests(self) -> Iterable[Request]:
+        """The waiting queue, in order (read, do not change)."""
+        return self._scheduler.waiting
+
+    def free_seats(self) -> int:
+        """Running seats a step could still fill."""
+        return self._scheduler.max_num_active_reqs - len(self._scheduler.running)
+
+    def seat_limit(self) -> int:
+        """Requests that may run at once (``max_num_seqs``, pipeline-capped)."""
+        scheduler = self._scheduler
+        return min(scheduler.max_num_running_reqs, scheduler.max_num_active_reqs)
+
+    def hold(self, held: Collection[Request]) -> None:
+        """Takes ``held`` (running) out of the running queue, seats and all,
+        for one ``schedule()``; :meth:`put_back` undoes it."""
+        if not held:
+            return
+        scheduler = self._scheduler
+        gone = set(map(id, held))
+        scheduler.running[:] = [r for r in scheduler.running if id(r) not in gone]
+        scheduler.max_num_running_reqs -= len(held)
+        scheduler.max_num_active_reqs -= len(held)
+
+    def put_back(self, held: list[Request]) -> None:
+        """Returns held requests, and their seats, to the head of the running
+        queue: they have already run this step, so they are the last to be
+        preempted."""
+        scheduler = self._scheduler
+        scheduler.running[:0] = held
+        scheduler.max_num_running_reqs += len(held)
+        scheduler.max_num_active_reqs += len(held)
+
+    def preempt(self, requests: list[Request]) -> None:
+        """Preempts running ``requests`` as upstream does (out of the running
+        queue, blocks freed, back to waiting). Only for requests this step
+        did not schedule."""
+        scheduler = self._scheduler
+        scheduler.running[:] = [r for r in scheduler.running if r not in requests]
+        now = time.monotonic()
+        for request in requests:
+            scheduler._preempt_request(request, now)
+
+    def park(self, requests: list[Request]) -> None:
+        """Takes waiting ``requests`` out of the queue for one ``schedule()``."""
+        if requests:
+            self._scheduler.waiting.remove_requests(requests)
+
+    def unpark(self, requests: list[Request]) -> None:
+        """Puts parked requests back at the head of the queue, in their order."""
+        if requests:
+            self._scheduler.waiting.prepend_requests(reversed(requests))
+
+    # -- the step's output ---------------------------------------------------------
+
+    def send_whole(self, output: SchedulerOutput, request_ids: set[str]) -> set[str]:
+        """Sends each request of ``request_ids`` that ``output`` schedules as
+        a cached request to its workers whole instead (a ``NewRequestData``
+        for an id they know: upstream's streaming-input update); returns the
+        ids sent. A request already among the new ones counts as sent."""
+        sent = {new.req_id for new in output.scheduled_new_reqs} & request_ids
+        cached = output.scheduled_cached_reqs
+        picked = [i for i, rid in enumerate(cached.req_ids) if rid in request_ids]
+        for i in picked:
+            request = self._scheduler.requests[cached.req_ids[i]]
+            new = NewRequestData.from_request(
+                request,
+                self.block_ids_of(request.request_id),
+                list(request.all_token_ids) if self.v2 else None,
+            )
+            # schedule() has already advanced the request past this step.
+            new.num_computed_tokens = cached.num_computed_tokens[i]
+            output.scheduled_new_reqs.append(new)
+            sent.add(request.request_id)
+        if picked:
+            _drop_rows(cached, set(picked))
+        return sent
+
+
+def _drop_rows(cached: Any, rows: set[int]) -> None:
+    """Removes rows from a ``CachedRequestData``: its lists are parallel, so
+    each is rewritten by name (the registry pins its fields)."""
+    keep = [i for i in range(len(cached.req_ids)) if i not in rows]
+    gone = {cached.req_ids[i] for i in rows}
+    cached.req_ids = [cached.req_ids[i] for i in keep]
+    cached.new_block_ids = [cached.new_block_ids[i] for i in keep]
+    cached.num_computed_tokens = [cached.num_computed_tokens[i] for i in keep]
+    cached.num_output_tokens = [cached.num_output_tokens[i] for i in keep]
+    if cached.new_token_ids:
+        cached.new_token_ids = [cached.new_token_ids[i] for i in keep]
+    cached.resumed_req_ids = cached.resumed_req_ids - gone
+    for rid in gone:
+        cached.all_token_ids.pop(rid, None)
+
+
+# -- without a scheduler ---------------------------------------------------------
+
+
+def never_stop(sampling: SamplingParams) -> None:
+    """Clears every stop condition of ``sampling`` (a live beam member stops
+    only when its group aborts it), the derived EOS sets included."""
+    sampling.min_tokens = 0
+    sampling.stop_token_ids = None
+    sampling._eos_token_id = None
+    sampling._all_stop_token_ids = set()
+
+
+def share_block_hashes(request: Request, root: Request, num_hashes: int) -> None:
+    """Gives ``request`` ``root``'s first ``num_hashes`` block hashes and
+    hasher, then hashes its blocks past them (hashes chain, so the hasher
+    continues from the last one)."""
+    request.block_hashes = root.block_hashes[:num_hashes]
+    request._block_hasher = root._block_hasher
+    request.update_block_hashes()
+
+
+def api_process_count(parallel_config: Any) -> int:
+    """API-server processes in front of this engine (1 when unset)."""
+    return getattr(parallel_config, "_api_process_count", 1)
+
+
+def referenced_blocks(scheduler: Any) -> Iterator[Any]:
+    """Every block reference upstream's own owners account for: block
+    tables, queued copy endpoints, deferred frees (nulls included)."""
+    manager = scheduler.kv_cache_manager
+    for single in manager.coordinator.single_type_managers:
+        for blocks in single.req_to_blocks.values():
+            yield from blocks
+        for pair in single._pending_cow_copies:
+            yield from pair
+    for _, blocks in getattr(scheduler, "deferred_frees", ()):
+        yield from blocks

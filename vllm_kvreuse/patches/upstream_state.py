@@ -1,0 +1,244 @@
+"""Upstream internal state the plugin reads or changes, per vLLM release.
+
+Not patches: nothing here is replaced. :mod:`vllm_kvreuse.core.upstream`
+reads and writes these attributes of upstream objects, where no public
+method does what the beams and continuations need (queues, seat limits,
+block tables, the copy-on-write queue, a request's private token lists,
+the step output's parallel lists). Each entry names its owner class, why
+the seam touches it, and per supported release the method's signature
+(:func:`~vllm_kvreuse.patches.registry.signature_of`) or :data:`ATTRIBUTE`
+(present on a real instance). ``tests/unit/test_upstream_state.py`` checks
+every entry on the objects of a real scheduler, so a renamed or removed
+attribute fails a test, not a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_kvreuse.patches.registry import V0_32_0
+
+ATTRIBUTE = "attribute"
+"""A data attribute (or property): checked present on a real instance."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamState:
+    """One upstream attribute the seam touches: ``target`` is
+    ``"module:Owner.attr"``; ``releases`` maps a vLLM release to the
+    method's signature, or :data:`ATTRIBUTE`."""
+
+    target: str
+    why: str
+    releases: dict[str, str]
+
+    @property
+    def owner(self) -> str:
+        return self.target.rsplit(".", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.target.rsplit(".", 1)[1]
+
+
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+_KVM = "vllm.v1.core.kv_cache_manager:KVCacheManager"
+_COORD = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
+_SINGLE = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager"
+_POOL = "vllm.v1.core.block_pool:BlockPool"
+_BLOCK = "vllm.v1.core.kv_cache_utils:KVCacheBlock"
+_REQ = "vllm.v1.request:Request"
+_QUEUE = "vllm.v1.core.sched.request_queue:RequestQueue"
+_OUT = "vllm.v1.core.sched.output"
+_KV_BLOCK = "vllm.v1.core.kv_cache_utils.KVCacheBlock"
+_ITER_REQS = "(self, requests: collections.abc.Iterable[vllm.v1.request.Request])"
+
+
+def _attr(target: str, why: str) -> UpstreamState:
+    return UpstreamState(target, why, {V0_32_0: ATTRIBUTE})
+
+
+def _method(target: str, why: str, signature: str) -> UpstreamState:
+    return UpstreamState(target, why, {V0_32_0: signature})
+
+
+_QUEUES = (
+    _attr(
+        f"{_SCHED}.running",
+        "live beam members sit out a schedule() and "
+        "come back at its head; preempted members leave it",
+    ),
+    _attr(f"{_SCHED}.waiting", "a beam step that does not fit is parked"),
+    _attr(
+        f"{_SCHED}.max_num_running_reqs",
+        "a held member keeps its seat: "
+        "the limit shrinks while it sits out; a live width must fit it",
+    ),
+    _attr(
+        f"{_SCHED}.max_num_active_reqs",
+        "as max_num_running_reqs (the "
+        "limit schedule() checks; lower under pipeline parallelism)",
+    ),
+    _method(
+        f"{_SCHED}._preempt_request",
+        "stalled live members are "
+        "preempted as upstream preempts (also a hook-layer override)",
+        "(self, request: vllm.v1.request.Request, timestamp: float, "
+        "drop_stale_output: bool = False) -> None",
+    ),
+    _attr(f"{_SCHED}.requests", "a re-seated request is sent whole by id"),
+    _attr(f"{_SCHED}.kv_cache_manager", "the block tables and the pool"),
+    _attr(
+        f"{_SCHED}.use_v2_model_runner",
+        "V2 workers need a re-seated request's whole token list in its NewRequestData",
+    ),
+    _attr(
+        f"{_SCHED}.deferred_frees",
+        "block accounting: references upstream keeps for a step in flight",
+    ),
+    _method(
+        f"{_QUEUE}.remove_requests", "parks a step's members", f"{_ITER_REQS} -> None"
+    ),
+    _method(
+        f"{_QUEUE}.prepend_requests",
+        "puts parked members back at the head",
+        f"{_ITER_REQS} -> None",
+    ),
+)
+
+_KV = (
+    _attr(f"{_KVM}.coordinator", "reaches the per-group managers' tables"),
+    _attr(f"{_KVM}.block_pool", "references, frees, new copy blocks"),
+    _attr(
+        f"{_KVM}.kv_cache_config",
+        "blocks are handed over only under full attention in every group",
+    ),
+    _attr(f"{_KVM}.enable_caching", "and only with prefix caching on"),
+    _method(
+        f"{_KVM}.get_blocks",
+        "the ledger holds a finishing request's blocks",
+        "(self, request_id: str) -> vllm.v1.core.kv_cache_manager.KVCacheBlocks",
+    ),
+    _method(
+        f"{_KVM}.get_block_ids",
+        "a re-seated request's NewRequestData",
+        "(self, request_id: str) -> tuple[list[int], ...]",
+    ),
+    _method(
+        f"{_KVM}.prefix_cache_lookup_enabled",
+        "a child inherits its parent's blocks only where upstream would look it up",
+        "(self, request: vllm.v1.request.Request) -> bool",
+    ),
+    _attr(f"{_COORD}.single_type_managers", "one block table per group"),
+    _attr(
+        f"{_SINGLE}.req_to_blocks", "a re-seat replaces a running request's block table"
+    ),
+    _attr(f"{_SINGLE}.num_cached_block", "and its count of cached blocks"),
+    _attr(
+        f"{_SINGLE}._pending_cow_copies",
+        "a re-seat queues its tail copy where _apply_cow does; schedule() drains it",
+    ),
+    _attr(
+        f"{_SINGLE}.records_new_block_ids",
+        "a queued copy's block is reported as new where upstream reports its own",
+    ),
+    _attr(f"{_SINGLE}.new_block_ids", "(the list it is reported in)"),
+    _method(
+        f"{_SINGLE}.take_pending_cow_copies",
+        "a full cache reset cancels queued re-seat copies",
+        f"(self) -> list[tuple[{_KV_BLOCK}, {_KV_BLOCK}]]",
+    ),
+    _method(
+        f"{_POOL}.touch",
+        "held and shared blocks take a reference",
+        f"(self, blocks: collections.abc.Sequence[{_KV_BLOCK}]) -> None",
+    ),
+    _method(
+        f"{_POOL}.free_blocks",
+        "and drop it, tails first",
+        f"(self, ordered_blocks: collections.abc.Iterable[{_KV_BLOCK}]) -> None",
+    ),
+    _method(
+        f"{_POOL}.get_new_blocks",
+        "a re-seat's private tail copy",
+        f"(self, num_blocks: int) -> list[{_KV_BLOCK}]",
+    ),
+    _method(
+        f"{_POOL}.get_num_free_blocks", "steps and re-seats must fit", "(self) -> int"
+    ),
+    _attr(f"{_POOL}.num_gpu_blocks", "the retention budget is a fraction of the pool"),
+    _attr(
+        f"{_BLOCK}.ref_cnt",
+        "a queued copy's block keeps one more "
+        "reference until the copy has run, as _apply_cow does",
+    ),
+)
+
+_REQUESTS = (
+    _attr(
+        f"{_REQ}._all_token_ids",
+        "a re-seat rewrites a running "
+        "request's history; an unsampled member drops its last token",
+    ),
+    _attr(f"{_REQ}._output_token_ids", "(as _all_token_ids)"),
+    _attr(f"{_REQ}._block_hasher", "a beam member reuses the root's hasher"),
+    _attr(
+        f"{_REQ}.prompt_token_ids",
+        "a re-seat makes the history the prompt, as a streaming update does",
+    ),
+    _attr(f"{_REQ}.num_prompt_tokens", "(as prompt_token_ids)"),
+    _attr(f"{_REQ}.num_computed_tokens", "a re-seat sets what has KV"),
+    _attr(f"{_REQ}.spec_token_ids", "a re-seat drops speculated tokens"),
+    _attr(
+        f"{_REQ}.block_hashes",
+        "a re-seat and a beam member take another request's hashes",
+    ),
+    _attr(
+        f"{_REQ}.num_output_placeholders",
+        "a member with an output in flight (async scheduling) must not run",
+    ),
+    _method(
+        f"{_REQ}.update_block_hashes",
+        "hashes the blocks past the taken ones",
+        "(self) -> None",
+    ),
+    _attr(
+        "vllm.sampling_params:SamplingParams._eos_token_id",
+        "a live member never stops on its own: the derived EOS goes too",
+    ),
+    _attr(
+        "vllm.sampling_params:SamplingParams._all_stop_token_ids", "(as _eos_token_id)"
+    ),
+    _attr(
+        "vllm.config.parallel:ParallelConfig._api_process_count",
+        "continuation children may reach another API server",
+    ),
+)
+
+_OUTPUT = (
+    _method(
+        f"{_OUT}:CachedRequestData.__init__",
+        "a re-seated request "
+        "leaves the cached rows: each parallel list is rewritten by "
+        "name, so a new field must be added there",
+        "(self, req_ids: list[str], resumed_req_ids: set[str], "
+        "new_token_ids: list[list[int]], all_token_ids: dict[str, "
+        "list[int]], new_block_ids: list[tuple[list[int], ...] | None], "
+        "num_computed_tokens: list[int], num_output_tokens: list[int]) "
+        "-> None",
+    ),
+    _method(
+        f"{_OUT}:NewRequestData.from_request",
+        "and is sent whole as a streaming update",
+        "(request: object, block_ids: "
+        "tuple[list[int], ...], prefill_token_ids: list[int] | None = "
+        "None, uses_mrope: bool = False) -> 'NewRequestData'",
+    ),
+    _attr(
+        f"{_OUT}:NewRequestData.num_computed_tokens",
+        "schedule() has already advanced the request past the step",
+    ),
+)
+
+UPSTREAM_STATE: tuple[UpstreamState, ...] = (*_QUEUES, *_KV, *_REQUESTS, *_OUTPUT)
+"""Every upstream attribute :mod:`vllm_kvreuse.core.upstream` touches."""
