@@ -7,6 +7,7 @@ platform. Nothing outside this folder indexes a KV cache.
 
 - ``base.py``: the ``DeviceOps`` interface, what may be done to paged KV;
 - ``layouts.py``: per-layer views of the KV caches vLLM allocates;
+- ``cpu_amx.py``: the CPU attention's AMX-packed bfloat16 KV, as views;
 - ``torch_ops.py``: the torch implementation, any device, the reference;
 - ``triton_ops.py``: the Triton implementation, one launch per chunk move;
 - ``npu.py``: chunk moves over vllm-ascend's KV cache (Ascend NPU);

@@ -3,10 +3,11 @@
 - ``tiny_model.py``: a random-weight Qwen2 model and a trained tokenizer;
 - ``smollm2.py``: the default served model, SmolLM2-135M-Instruct;
 - ``server.py``: a real ``vllm serve`` process on a free loopback port;
+- ``router.py``: a real ``vllm-router`` in front of test servers;
 - ``processes.py``: HTTP connections pinned to one API-server process;
 - ``kv_caches.py``: per-layer KV caches from vLLM's own allocator;
 - ``ascend_layout.py``: vllm-ascend's per-layer KV cache, on any device;
-- ``reference.py``: reference attention masks for the chunk cache;
+- ``reference.py``: the chunk cache's references: masks and segmented KV;
 - ``catalog_reference.py``: the dense catalog-constrained beam step;
 - ``soak/``: a bounded mixed-load run against a live server.
 """
