@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import random
 import statistics
@@ -70,6 +71,11 @@ MODES: dict[str, tuple[str, Any]] = {
     "select 0.25+head 32": ("isolated", {"select": 0.25, "head": 32}),
     "select 0.5": ("isolated", {"select": 0.5}),
     "tail 0.25+head 32": ("isolated", {"tail": 0.25, "head": 32}),
+    "head 64": ("isolated", {"head": 64}),
+    "tail 0.125+head 32": ("isolated", {"tail": 0.125, "head": 32}),
+    "tail 0.2+head 32": ("isolated", {"tail": 0.2, "head": 32}),
+    "tail 0.125+head 64": ("isolated", {"tail": 0.125, "head": 64}),
+    "head 128": ("isolated", {"head": 128}),
     "system+select 0.25": ("system", {"select": 0.25}),
 }
 
@@ -234,6 +240,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kv-cache-gib", default="4")
     parser.add_argument("--plot", help="write the trade-off plot (SVG) here")
+    parser.add_argument(
+        "--results", help="JSON file: modes found there are not run again; "
+        "each mode's answers and TTFTs are added as it ends",
+    )  # fmt: skip
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
     settings = ServerSettings.from_args(args)
@@ -251,9 +261,14 @@ def main() -> None:
     )
     logs = Path(tempfile.mkdtemp())
     common = ["--max-model-len", "8192", "--max-num-batched-tokens", "8192"]
+    saved = Path(args.results) if args.results else None
     results: dict[str, tuple[list[bool], list[float]]] = {}
+    if saved is not None and saved.exists():
+        results = {m: tuple(r) for m, r in json.loads(saved.read_text()).items()}
     for server_name, flags in SERVERS.items():
-        modes = [m for m in args.modes if MODES[m][0] == server_name]
+        modes = [
+            m for m in args.modes if MODES[m][0] == server_name and m not in results
+        ]
         if not modes:
             continue
         extra = [*flags, "--chunk-cache-device-fraction", "0.5"] if flags else []
@@ -271,6 +286,8 @@ def main() -> None:
                 results[mode] = run_mode(
                     client, MODES[mode][1], sets, warm, args.concurrency
                 )
+                if saved is not None:
+                    saved.write_text(json.dumps(results))
                 right, ttfts = results[mode]
                 print(
                     f"{mode}: {sum(right)}/{len(right)} right "
@@ -278,7 +295,8 @@ def main() -> None:
                     f"{[round(t * 1e3) for t in ttfts]} ms",
                     flush=True,
                 )
-    report(results, [item.two_hop for s in sets for item in s], args.plot)
+    chosen = {m: results[m] for m in args.modes if m in results}
+    report(chosen, [item.two_hop for s in sets for item in s], args.plot)
 
 
 def report(

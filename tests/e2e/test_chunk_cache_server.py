@@ -45,9 +45,12 @@ def rag_chunks(order: list[int], question: str = "Which topic?") -> list[str]:
 
 
 def test_cold_and_warm_give_the_same_answer_and_warm_is_cached(servers) -> None:
+    """With no recompute (``chunk_recompute: "none"``) everything but the
+    question is cached."""
     _, chunked = servers
-    cold = complete(chunked, chunks=rag_chunks([0, 1]), return_token_ids=True).json()
-    warm = complete(chunked, chunks=rag_chunks([0, 1]), return_token_ids=True).json()
+    body = {"chunks": rag_chunks([0, 1]), "return_token_ids": True}
+    cold = complete(chunked, **body, chunk_recompute="none").json()
+    warm = complete(chunked, **body, chunk_recompute="none").json()
     assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
     cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= warm["usage"]["prompt_tokens"] - 8  # all but the question
@@ -68,10 +71,25 @@ def chunked_text(server: Server, token_ids: list[int]) -> str:
 def test_reordered_documents_reuse_their_chunks(servers) -> None:
     _, chunked = servers
     complete(chunked, chunks=rag_chunks([1, 2]))
-    swapped = complete(chunked, chunks=rag_chunks([2, 1], "Another question?"))
+    chunks = rag_chunks([2, 1], "Another question?")
+    swapped = complete(chunked, chunks=chunks, chunk_recompute="none")
     assert swapped.status_code == 200
     usage = swapped.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 8
+
+
+def test_the_default_recomputes_spans_and_cold_equals_warm(servers) -> None:
+    """The server's default settings recompute chunk heads and a tail: the
+    rest comes from the store; the same request sent again answers the same."""
+    _, chunked = servers
+    chunks = rag_chunks([2, 0], "Which document?")
+    cold = complete(chunked, chunks=chunks, return_token_ids=True).json()
+    reordered = complete(chunked, chunks=rag_chunks([0, 2], "Which document?"))
+    usage = reordered.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < usage["prompt_tokens"] - 8  # loaded, less what is recomputed
+    warm = complete(chunked, chunks=chunks, return_token_ids=True).json()
+    assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
 
 
 def test_token_id_segments(servers, tokenizer) -> None:

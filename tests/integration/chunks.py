@@ -32,6 +32,10 @@ def chunk_cache_llm(model_dir: str, **kwargs) -> Iterator[LLM]:
     chunk-cache engine may live in a process at a time; shutting it down
     releases the connector for the next.
     """
+    # These tests check chunk isolation itself: no recompute unless asked
+    # (test_chunk_cache_segments.py checks recomputed spans and the defaults).
+    for name in ("chunk_recompute_head", "chunk_recompute_select"):
+        kwargs.setdefault(name, 0)
     engine = make_llm(model_dir, enable_chunk_cache=True, **kwargs)
     try:
         yield engine
@@ -44,11 +48,16 @@ def index_of(llm: LLM) -> ChunkIndex:
     return scheduler_of(llm).connector.scheduler_side.index
 
 
-def generate(llm: LLM, segments: list[list[int]], max_tokens: int = 6) -> RequestOutput:
+def generate(
+    llm: LLM, segments: list[list[int]], max_tokens: int = 6, recompute: Any = None
+) -> RequestOutput:
     token_ids, lengths = chunked_prompt(segments)
+    extra_args = internal_args(kvreuse_chunks=lengths)
+    if recompute is not None:
+        extra_args["chunk_recompute"] = recompute
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5,
-        extra_args=internal_args(kvreuse_chunks=lengths),
+        extra_args=extra_args,
     )  # fmt: skip
     (out,) = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
     return out

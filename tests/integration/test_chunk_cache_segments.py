@@ -18,14 +18,25 @@ from tests.integration.chunks import (
     SYSTEM,
     chunk_cache_llm,
     generate,
+    hf_reference,
     index_of,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 from vllm_kvreuse.chunk_cache.recompute import Recompute, choose_spans
+from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.testing.reference import segmented_reference
 
 STEPS = 6
+# chunk_cache_llm turns recompute off unless told; these are the defaults.
+DEFAULTS = {
+    name: getattr(KVReuseConfig(), name)
+    for name in (
+        "chunk_recompute_head",
+        "chunk_recompute_select",
+        "chunk_recompute_fraction",
+    )
+}
 # The question names tokens of DOC_B: question-driven selection picks it.
 ABOUT_B = QUESTION + DOC_B[5:8]
 
@@ -84,3 +95,27 @@ def test_a_segmented_request_sent_again_hits_the_prefix_cache(
         total = len(SYSTEM + DOC_A + DOC_B + QUESTION)
         assert again.num_cached_tokens >= total - total % BLOCK_SIZE - BLOCK_SIZE
         assert not scheduler_of(llm).connector.scheduler_side.plans
+
+
+def test_the_default_settings_match_the_hf_reference(model_dir: str, hf_model) -> None:
+    """``--enable-chunk-cache`` alone recomputes what its defaults say
+    (docs/chunk_cache.md: the setting that keeps the most answers at >= 3x)."""
+    defaults = KVReuseConfig()
+    settings = Recompute(
+        head=defaults.chunk_recompute_head,
+        select=defaults.chunk_recompute_select,
+        tail=defaults.chunk_recompute_fraction,
+    )
+    with chunk_cache_llm(model_dir, **DEFAULTS) as llm:
+        _check(llm, hf_model, [SYSTEM, DOC_A, DOC_B, ABOUT_B], settings)
+
+
+def test_a_request_may_ask_for_no_recompute(model_dir: str, hf_model) -> None:
+    """``chunk_recompute: "none"`` loads every chunk whatever the server's
+    settings (the fastest setting), as the chunk-isolated reference says."""
+    with chunk_cache_llm(model_dir, chunk_recompute_head=8) as llm:
+        segments = [SYSTEM, DOC_A, DOC_B, QUESTION]
+        expected, _ = hf_reference(hf_model, segments, steps=STEPS)
+        out = generate(llm, segments, recompute="none")
+        assert list(out.outputs[0].token_ids) == expected
+        assert out.num_cached_tokens >= len(SYSTEM + DOC_A + DOC_B) - BLOCK_SIZE
