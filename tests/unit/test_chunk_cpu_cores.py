@@ -12,7 +12,11 @@ from vllm.config import KVTransferConfig, VllmConfig
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
 from vllm_kvreuse.chunk_cache.cpu_cores import WithoutKVConnector, is_chunk_connector
-from vllm_kvreuse.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
+from vllm_kvreuse.engine_args import (
+    CHUNK_CONNECTOR,
+    CHUNK_CONNECTOR_MODULE,
+    beside_chunk_connector,
+)
 
 CHUNK = KVTransferConfig(
     kv_connector=CHUNK_CONNECTOR,
@@ -42,6 +46,14 @@ def test_other_connectors_keep_vllms_extra_reservation() -> None:
     plain_reserved = binding(VllmConfig())[0]
     other = VllmConfig(kv_transfer_config=OTHER)
     assert binding(other)[0] == plain_reserved + other.parallel_config.local_world_size
+
+
+def test_chunk_cache_beside_another_connector_keeps_vllms_reservation() -> None:
+    """In a MultiConnector the other connector may run transfer threads."""
+    plain_reserved = binding(VllmConfig())[0]
+    multi = VllmConfig(kv_transfer_config=beside_chunk_connector(OTHER))
+    assert not is_chunk_connector(multi.kv_transfer_config)
+    assert binding(multi)[0] == plain_reserved + multi.parallel_config.local_world_size
 
 
 def test_user_reservation_still_wins(monkeypatch: pytest.MonkeyPatch) -> None:

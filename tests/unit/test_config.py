@@ -117,15 +117,61 @@ def test_engine_args_accept_keyword_settings() -> None:
 
 
 def test_chunk_cache_flag_takes_the_kv_connector_slot() -> None:
-    from vllm.config import KVTransferConfig
 
     args = _parse(["--enable-chunk-cache", "--chunk-attention", "system"])
     assert args.kv_transfer_config.kv_connector == "KVReuseChunkConnector"
     assert args.additional_config[ADDITIONAL_CONFIG_KEY]["chunk_attention"] == "system"
     assert _parse([]).kv_transfer_config is None
-    other = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
-    with pytest.raises(ValueError, match="already names 'NixlConnector'"):
-        EngineArgs(model="m", enable_chunk_cache=True, kv_transfer_config=other)
+    assert not _parse(
+        ["--enable-chunk-cache"]
+    ).kv_transfer_config.kv_connector_extra_config
+
+
+def test_chunk_cache_beside_a_users_connector_builds_a_multiconnector() -> None:
+    """The chunk cache first, then the user's connector with its own role and
+    settings; the parent keeps the user's role and engine id."""
+    from vllm.config import KVTransferConfig
+
+    user = KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": "/tmp/kv"},
+        kv_load_failure_policy="recompute",
+    )
+    multi = EngineArgs(
+        model="m", enable_chunk_cache=True, kv_transfer_config=user
+    ).kv_transfer_config
+    assert multi.kv_connector == "MultiConnector"
+    assert (multi.kv_role, multi.engine_id) == ("kv_consumer", user.engine_id)
+    assert multi.kv_load_failure_policy == "recompute"
+    chunk, other = multi.kv_connector_extra_config["connectors"]
+    assert chunk["kv_connector"] == "KVReuseChunkConnector"
+    assert chunk["kv_role"] == "kv_both"
+    assert other["kv_connector"] == "ExampleConnector"
+    assert other["kv_role"] == "kv_consumer"
+    assert other["kv_connector_extra_config"] == {"shared_storage_path": "/tmp/kv"}
+    assert "engine_id" not in other  # MultiConnector hands down the parent's
+    # Folding again (a spawned API server) leaves it as it is.
+    again = EngineArgs(model="m", enable_chunk_cache=True, kv_transfer_config=multi)
+    assert again.kv_transfer_config.kv_connector_extra_config == (
+        multi.kv_connector_extra_config
+    )
+
+
+def test_chunk_cache_joins_a_users_multiconnector_first() -> None:
+    from vllm.config import KVTransferConfig
+
+    children = [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]
+    user = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": children},
+    )
+    multi = EngineArgs(
+        model="m", enable_chunk_cache=True, kv_transfer_config=user
+    ).kv_transfer_config
+    names = [c["kv_connector"] for c in multi.kv_connector_extra_config["connectors"]]
+    assert names == ["KVReuseChunkConnector", "ExampleConnector"]
 
 
 @pytest.mark.parametrize(

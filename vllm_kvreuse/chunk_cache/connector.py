@@ -30,6 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
 
 from vllm_kvreuse.chunk_cache.plan import ChunkMeta
 from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
@@ -163,3 +166,15 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self.worker_side else set()
+
+
+def find_chunk_connector(connector: object) -> KVReuseChunkConnector | None:
+    """The chunk cache's connector: ``connector`` itself, or the child of a
+    ``MultiConnector`` (its public ``sub_connectors``); None if neither."""
+    if isinstance(connector, KVReuseChunkConnector):
+        return connector
+    if isinstance(connector, MultiConnector):
+        for child in connector.sub_connectors:
+            if isinstance(child, KVReuseChunkConnector):
+                return child
+    return None

@@ -38,7 +38,7 @@ from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.chunk_cache.connector import KVReuseChunkConnector
+from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.plan import FillSpec
 from vllm_kvreuse.chunk_cache.recompute import (
@@ -64,12 +64,13 @@ class ChunkCache(Feature):
 
     def __init__(self, core: Core) -> None:
         super().__init__(core)
-        connector = core.scheduler.connector
-        if not isinstance(connector, KVReuseChunkConnector):
+        connector = find_chunk_connector(core.scheduler.connector)
+        if connector is None:
+            configured = core.scheduler.connector
             raise ValueError(
-                "--enable-chunk-cache needs vLLM's KV-connector slot for the "
-                "chunk-cache connector; this engine has "
-                f"{type(connector).__name__ if connector else 'none'}"
+                "--enable-chunk-cache needs the chunk-cache connector, alone or "
+                "in a MultiConnector; this engine has "
+                f"{type(configured).__name__ if configured else 'none'}"
             )
         assert connector.scheduler_side is not None
         self.side: ChunkScheduler = connector.scheduler_side

@@ -26,8 +26,11 @@ ROUTER = str(Path(sys.executable).parent / "vllm-router")
 class Router:
     """``vllm-router --policy POLICY --worker-urls URLS...``; stopped on close().
 
-    Ready once its ``/health`` answers 200, which it does only when every
-    worker is healthy, so start it after the workers.
+    With ``decode_urls``, P/D mode: ``worker_urls`` are the prefill servers
+    (``--vllm-pd-disaggregation --prefill URL... --decode URL...``); the
+    router sends each request to a prefill server with ``max_tokens=1``, then
+    to a decode server. Ready once its ``/health`` answers 200, which it does
+    only when every worker is healthy, so start it after the workers.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class Router:
         *,
         log_path: Path,
         ready_timeout: float = 60,
+        decode_urls: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
@@ -45,7 +49,7 @@ class Router:
             ROUTER, "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(self.metrics_port),
-            "--policy", policy, "--worker-urls", *worker_urls,
+            "--policy", policy, *_workers(worker_urls, decode_urls),
         ]  # fmt: skip
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
@@ -112,3 +116,15 @@ class Router:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _workers(worker_urls: Sequence[str], decode_urls: Sequence[str]) -> list[str]:
+    """The router's worker arguments: plain, or P/D with ``decode_urls``."""
+    if not decode_urls:
+        return ["--worker-urls", *worker_urls]
+    args = ["--vllm-pd-disaggregation"]
+    for url in worker_urls:
+        args += ["--prefill", url]
+    for url in decode_urls:
+        args += ["--decode", url]
+    return args
