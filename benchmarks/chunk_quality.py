@@ -57,9 +57,11 @@ SERVERS = {
     "isolated": ["--enable-chunk-cache", "--chunk-attention", "isolated"],
     "system": ["--enable-chunk-cache", "--chunk-attention", "system"],
 }
-# mode: (server, the request's chunk_recompute field; None for plain vLLM)
+# mode: (server, the request's chunk_recompute field; None for plain vLLM,
+# "default" to send none: the server's defaults)
 MODES: dict[str, tuple[str, Any]] = {
     "plain": ("plain", None),
+    "default": ("isolated", "default"),
     "isolated": ("isolated", "none"),
     "system": ("system", "none"),
     "tail 0.25": ("isolated", {"tail": 0.25}),
@@ -134,7 +136,8 @@ def complete(
     body["stop"] = ["\n"]
     if chunked:
         body["chunks"] = item.segments
-        body["chunk_recompute"] = recompute
+        if recompute != "default":
+            body["chunk_recompute"] = recompute
     else:
         body["prompt"] = [token for segment in item.segments for token in segment]
     start = time.perf_counter()

@@ -36,6 +36,7 @@ def chunk_cache_llm(model_dir: str, **kwargs) -> Iterator[LLM]:
     # (test_chunk_cache_segments.py checks recomputed spans and the defaults).
     for name in ("chunk_recompute_head", "chunk_recompute_select"):
         kwargs.setdefault(name, 0)
+    kwargs.setdefault("chunk_recompute_fraction", 0.0)
     engine = make_llm(model_dir, enable_chunk_cache=True, **kwargs)
     try:
         yield engine
