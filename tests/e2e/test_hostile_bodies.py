@@ -31,10 +31,21 @@ INTERNAL = ("kvreuse_beam", "kvreuse_chunks", "kvreuse_parent", "kvreuse_sealed"
 HUGE = 10**18
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory) -> Iterator[Server]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        "float32",
+        # vLLM's own CPU dtype: the chunk cache's bf16 layouts (docs/chunk_cache.md)
+        pytest.param("bfloat16", marks=pytest.mark.v1_only("CI time; dtype is "
+                     "the worker's, the frontend checks are the same")),
+    ],
+)  # fmt: skip
+def server(model_dir: str, tmp_path_factory, request) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("hostile") / "server.log"
-    with Server(model_dir, *ALL_FEATURES, log_path=log, block_size=BLOCK_SIZE) as srv:
+    dtype = ("--dtype", request.param)  # after the settings' own --dtype: wins
+    with Server(
+        model_dir, *ALL_FEATURES, *dtype, log_path=log, block_size=BLOCK_SIZE
+    ) as srv:
         yield srv
 
 

@@ -114,7 +114,8 @@ def test_a_request_may_ask_for_no_recompute(model_dir: str, hf_model) -> None:
     """``chunk_recompute: "none"`` loads every chunk whatever the server's
     settings (the fastest setting), as the chunk-isolated reference says."""
     with chunk_cache_llm(model_dir, chunk_recompute_head=8) as llm:
-        segments = [SYSTEM, DOC_A, DOC_B, QUESTION]
+        generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION], recompute="none")
+        segments = [SYSTEM, DOC_B, DOC_A, QUESTION]  # every chunk stored
         expected, _ = hf_reference(hf_model, segments, steps=STEPS)
         out = generate(llm, segments, recompute="none")
         assert list(out.outputs[0].token_ids) == expected

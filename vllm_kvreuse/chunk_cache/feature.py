@@ -77,7 +77,8 @@ class ChunkCache(Feature):
         self._fill_counter = itertools.count()
         # Tokens of each new chunked request not stored when it arrived: its
         # prefill stats must not count them as cached, although they are
-        # loaded like stored ones.
+        # loaded like stored ones. Segmented requests are here too: upstream
+        # counts only their first load region at first schedule.
         self._uncached: dict[str, int] = {}
         self._replan: set[str] = set()
 
@@ -98,7 +99,7 @@ class ChunkCache(Feature):
         plan, fills, uncached = planned
         self._start_fills(request, fills)
         self._rehash(request, self.side.block_salt(plan, lengths))
-        if uncached:
+        if uncached or plan.spans:
             self._uncached[request.request_id] = uncached
 
     def on_preempt(self, request: Request) -> None:
@@ -136,21 +137,26 @@ class ChunkCache(Feature):
                 self._plan_again(request)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
+        """At a new chunked request's first schedule, its prefill stats (and
+        so ``cached_tokens``) count every token it will load from the store
+        and that was stored when it arrived, whatever step loads it."""
         if not self._uncached:
             return
         requests = self.core.scheduler.requests
         for request_id in list(self._uncached):
             request = requests.get(request_id)
             stats = request.prefill_stats if request is not None else None
-            if stats is None:
+            plan = self.side.plans.get(request_id)
+            if stats is None or plan is None:
                 self._uncached.pop(request_id)
             elif stats.num_prompt_tokens:  # upstream set them at first schedule
                 uncached = self._uncached.pop(request_id)
+                local = stats.num_local_cached_tokens
                 stats.set(
                     num_prompt_tokens=stats.num_prompt_tokens,
-                    num_local_cached_tokens=stats.num_local_cached_tokens,
+                    num_local_cached_tokens=local,
                     num_external_cached_tokens=max(
-                        0, stats.num_external_cached_tokens - uncached
+                        0, plan.num_loaded(begin=local) - uncached
                     ),
                 )
 

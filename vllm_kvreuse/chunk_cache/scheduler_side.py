@@ -128,7 +128,8 @@ class ChunkScheduler:
             key = chunk_key(self._hasher, self._identity, salt, context, tokens)
             chunks.append(PlannedChunk(key, start, length, virtual_start=len(context)))
             start += length
-        spans = choose_spans(prompt, lengths, recompute or self.recompute)
+        settings = self.recompute if recompute is None else recompute
+        spans = choose_spans(prompt, lengths, settings)
         plan = ChunkPlan(chunks, user_salt=request.cache_salt, spans=spans)
         stored = [
             plan.num_loaded(chunk.start, chunk.start + chunk.length)
