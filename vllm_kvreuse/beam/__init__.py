@@ -1,5 +1,8 @@
 """Engine-side beam search: beams fork their parent beam's KV blocks.
 
+``spec.py``: the feature's declaration (settings, request keys, class,
+the ``--sid-catalog`` path check).
+
 Engine core (the serving path):
 
 - ``feature.py``: the hook-layer feature: group lifecycle, steps;

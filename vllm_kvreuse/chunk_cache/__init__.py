@@ -1,5 +1,7 @@
 """Position-independent chunk cache (issue 5).
 
+``spec.py``: the feature's declaration (settings, request keys, class).
+
 Frontend:
 
 - ``frontend.py``: prompts split into segments, the ``chunks`` field;
