@@ -1,7 +1,8 @@
 """Engine-side beam search: beams fork their parent beam's KV blocks.
 
 ``spec.py``: the feature's declaration (settings, request keys, class,
-the ``--sid-catalog`` path check).
+the ``--sid-catalog`` path check); ``engine_args.py``: the catalog's logits
+processor put in the engine arguments and settled on the finished config.
 
 Engine core (the serving path):
 

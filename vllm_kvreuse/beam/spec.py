@@ -74,4 +74,6 @@ SPEC = FeatureSpec(
     ),
     switch="engine_beam_search",
     feature="vllm_kvreuse.beam.feature:EngineBeamSearch",
+    attach_engine_args="vllm_kvreuse.beam.engine_args:attach_catalog_processor",
+    finalize_vllm_config="vllm_kvreuse.beam.engine_args:finalize_vllm_config",
 )

@@ -116,4 +116,6 @@ SPEC = FeatureSpec(
     ),
     switch="enable_chunk_cache",
     feature="vllm_kvreuse.chunk_cache.feature:ChunkCache",
+    attach_engine_args="vllm_kvreuse.chunk_cache.engine_args:attach_chunk_connector",
+    on_register="vllm_kvreuse.chunk_cache.engine_args:register_chunk_connector_name",
 )

@@ -54,6 +54,13 @@ class FeatureSpec:
     """``"module:Class"`` of its :class:`~vllm_kvreuse.core.feature.Feature`."""
     switch_note: str = ""
     """Said after the switch's flag when a request needs the feature off."""
+    attach_engine_args: str = ""
+    """``"module:function"`` given the ``EngineArgs`` once the settings are
+    folded in, whether the feature is on or not (it checks)."""
+    finalize_vllm_config: str = ""
+    """``"module:function"`` given the finished ``VllmConfig``."""
+    on_register: str = ""
+    """``"module:function"`` called when the plugin loads, in every process."""
 
     def __post_init__(self) -> None:
         names = [option.name for option in self.options]
@@ -75,7 +82,12 @@ class FeatureSpec:
 
     def feature_class(self) -> type[Feature]:
         """Imports the scheduler feature class; its ``name`` is the spec's."""
-        module, _, attr = self.feature.partition(":")
-        cls: type[Feature] = getattr(importlib.import_module(module), attr)
+        cls: type[Feature] = load_hook(self.feature)
         assert cls.name == self.name, f"{self.feature} is named {cls.name!r}"
         return cls
+
+
+def load_hook(path: str) -> Any:
+    """Imports ``"module:attr"`` and returns the attribute."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
