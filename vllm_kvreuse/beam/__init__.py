@@ -2,7 +2,8 @@
 
 ``spec.py``: the feature's declaration (settings, request keys, class,
 the ``--sid-catalog`` path check); ``engine_args.py``: the catalog's logits
-processor put in the engine arguments and settled on the finished config.
+processor put in the engine arguments and settled on the finished config;
+``metrics.py``: its counters in ``/metrics``.
 
 Engine core (the serving path):
 
