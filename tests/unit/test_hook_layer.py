@@ -131,6 +131,22 @@ def test_core_imports_no_feature() -> None:
     assert offenders == [], "move what core needs from a feature into core"
 
 
+SHARED_TABLES = ("config.py", "request_args.py", "engine_args.py", "metrics.py")
+
+
+def test_shared_tables_loop_over_the_specs() -> None:
+    """The shared tables import no feature folder: each feature's options,
+    request keys, engine hooks and counters come from its own folder, through
+    the one list (``vllm_kvreuse/features.py``)."""
+    forbidden = {f"vllm_kvreuse.{p}" for p in FEATURE_PACKAGES}
+    offenders = [
+        f"{name} imports {module}"
+        for name in SHARED_TABLES
+        for module in _imports_of(PACKAGE / name, forbidden)
+    ]
+    assert offenders == [], "declare it in the feature's spec instead"
+
+
 def test_a_feature_failing_on_one_request_fails_that_request_alone(
     make_scheduler,
 ) -> None:
