@@ -18,10 +18,11 @@ def register() -> None:
     {...}}`` works without it.
     """
     from vllm_kvreuse.compat import check_vllm_version
-    from vllm_kvreuse.engine_args import register_chunk_connector_name
+    from vllm_kvreuse.engine_args import register_features
     from vllm_kvreuse.patches import apply_all
 
     check_vllm_version()
     apply_all()
-    # By name, so a MultiConnector holding it can rebuild its stats.
-    register_chunk_connector_name()
+    # E.g. the chunk cache's connector by name, so a MultiConnector holding
+    # it can rebuild its stats.
+    register_features()

@@ -1,8 +1,10 @@
 """Every ``SamplingParams.extra_args`` key vllm-kvreuse reads, in one table.
 
-Per-request options reach the engine only through ``extra_args``. Each key
-has an owner (the feature that reads it, or ``core``), a visibility, and a
-validator:
+Per-request options reach the engine only through ``extra_args``. Each
+feature declares its keys in its spec (:mod:`vllm_kvreuse.features` lists
+them), core's are :data:`~vllm_kvreuse.core.request_keys.CORE_KEYS`; this
+module names no feature. Each key has an owner (the feature that reads it,
+or ``core``), a visibility, and a validator:
 
 - *public* keys may be set by any client: a top-level HTTP body field of the
   same name, ``vllm_xargs``, or ``SamplingParams(extra_args=...)`` offline;
@@ -22,25 +24,29 @@ request (see :mod:`vllm_kvreuse.core.layer`).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
-from vllm_kvreuse.admission.policy import parse_threshold
-from vllm_kvreuse.beam.policy import (
-    CONFIG_KEY,
-    LEAF_EOS_KEY,
-    NODE_KEY,
-    BeamConfig,
-    parse_token_id,
-)
-from vllm_kvreuse.chunk_cache.params import parse_lengths
-from vllm_kvreuse.chunk_cache.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
-from vllm_kvreuse.chunk_cache.recompute import parse_recompute
-from vllm_kvreuse.continuation.params import parse_retain_kv, parse_retain_kv_ttl
-from vllm_kvreuse.core.request_keys import CHUNKS, PARENT, PREFIX, SEAL
+from vllm_kvreuse.core.request_keys import CORE_KEYS, PARENT, PREFIX, SEAL
+from vllm_kvreuse.core.spec import ArgKey
+from vllm_kvreuse.features import SPECS
 
-Owner = Literal["core", "admission", "continuation", "beam", "chunk_cache"]
+__all__ = [
+    "ENABLING_FLAG",
+    "KEYS",
+    "KEYS_BY_NAME",
+    "PARENT",
+    "PUBLIC_FIELDS",
+    "ArgKey",
+    "BadRequestArgs",
+    "check_client_keys",
+    "internal_args",
+    "is_sealed",
+    "validate",
+]
+
+Owner = str
+"""A feature's spec name, or ``core``."""
 
 _TOKEN = secrets.token_hex(16)  # per process; never leaves this process's API
 
@@ -53,60 +59,18 @@ class BadRequestArgs(ValueError):
         self.param = param
 
 
-def _parse_parent(value: Any) -> str:
-    if not isinstance(value, str) or not value or len(value) > 512:
-        raise ValueError(f"{PARENT} must be a request id string")
-    return value
-
-
-def _parse_seal(value: Any) -> str:
-    return str(value)
-
-
-@dataclass(frozen=True, slots=True)
-class ArgKey:
-    """One ``extra_args`` key: who reads it, who may set it, how it is checked."""
-
-    name: str
-    owner: Owner
-    public: bool
-    parse: Callable[[Any], Any]
-    doc: str
-
-
 KEYS: tuple[ArgKey, ...] = (
-    ArgKey("cache_hit_threshold", "admission", True, parse_threshold,
-           "Reject the request unless this share of its prompt is cached."),
-    ArgKey("retain_kv", "continuation", True, parse_retain_kv,
-           "Keep this request's KV blocks after it finishes, for continuations."),
-    ArgKey("retain_kv_ttl", "continuation", True, parse_retain_kv_ttl,
-           "Seconds to keep them (default --retain-kv-ttl)."),
-    ArgKey(PARENT, "core", False, _parse_parent,
-           "Engine id of the request whose held blocks this one inherits."),
-    ArgKey(CONFIG_KEY, "beam", False, BeamConfig.parse,
-           "A beam-search root request's configuration."),
-    ArgKey(NODE_KEY, "beam", False, parse_token_id,
-           "A catalog beam's SID trie node."),
-    ArgKey(LEAF_EOS_KEY, "beam", False, parse_token_id,
-           "The token a catalog beam at a whole item may take (EOS)."),
-    ArgKey(CHUNK_RECOMPUTE, "chunk_cache", True, parse_recompute,
-           "Which chunk tokens a chunked request recomputes (else the server's)."),
-    ArgKey(CHUNKS, "chunk_cache", False, parse_lengths,
-           "Token lengths of a chunked prompt's chunks."),
-    ArgKey(SEAL, "core", False, _parse_seal,
-           "The plugin's per-process seal on extra_args it wrote itself."),
-)  # fmt: skip
+    *(key for spec in SPECS for key in spec.keys),
+    *CORE_KEYS,
+)
+"""Every key: each feature's (from its spec), then core's."""
 KEYS_BY_NAME: dict[str, ArgKey] = {key.name: key for key in KEYS}
+assert len(KEYS_BY_NAME) == len(KEYS), "two request keys share a name"
 PUBLIC_FIELDS: tuple[str, ...] = tuple(key.name for key in KEYS if key.public)
 """Public keys, also accepted as top-level HTTP body fields."""
 
-ENABLING_FLAG: dict[Owner, str] = {
-    "admission": "--global-cache-hit-threshold (0 admits all but requests "
-    "that set their own threshold)",
-    "continuation": "--enable-continuation",
-    "beam": "--engine-beam-search",
-    "chunk_cache": "--enable-chunk-cache",
-}
+ENABLING_FLAG: dict[Owner, str] = {spec.name: spec.enabling_flag for spec in SPECS}
+"""For each feature, the flag a request using it is told to turn on."""
 
 
 def internal_args(**values: Any) -> dict[str, Any]:

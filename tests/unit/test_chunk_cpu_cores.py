@@ -12,7 +12,7 @@ from vllm.config import KVTransferConfig, VllmConfig
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
 from vllm_kvreuse.chunk_cache.cpu_cores import WithoutKVConnector, is_chunk_connector
-from vllm_kvreuse.engine_args import (
+from vllm_kvreuse.chunk_cache.engine_args import (
     CHUNK_CONNECTOR,
     CHUNK_CONNECTOR_MODULE,
     beside_chunk_connector,

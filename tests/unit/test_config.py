@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 import math
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+import vllm_kvreuse
 from vllm_kvreuse.config import (
     ADDITIONAL_CONFIG_KEY,
+    OPTIONS,
     KVReuseConfig,
     merge_settings,
     parse_fraction,
 )
+from vllm_kvreuse.features import SPECS
 
 
 @pytest.mark.parametrize("value", [0, 0.0, 0.5, 1, "0.25", "1.0"])
@@ -46,6 +52,25 @@ def test_config_defaults_change_nothing() -> None:
 )
 def test_each_switch_turns_on_its_feature_alone(settings, feature) -> None:
     assert KVReuseConfig.from_dict(settings).enabled == {"core", feature}
+
+
+def test_every_feature_folder_has_one_spec_in_the_list() -> None:
+    """A folder with a ``spec.py`` is a feature, and ``SPECS`` holds its
+    ``SPEC``; its scheduler class answers to the spec's name."""
+    package = Path(vllm_kvreuse.__file__).parent
+    folders = {path.parent.name for path in package.glob("*/spec.py")} - {"core"}
+    assert sorted(spec.name for spec in SPECS) == sorted(folders)
+    for name in folders:
+        spec = importlib.import_module(f"vllm_kvreuse.{name}.spec").SPEC
+        assert spec in SPECS and spec.name == name
+        assert spec.feature_class().name == name
+
+
+def test_config_fields_are_the_specs_options_with_their_defaults() -> None:
+    assert [(f.name, f.default) for f in fields(KVReuseConfig)] == [
+        (option.name, option.default) for option in OPTIONS
+    ]
+    assert [o.name for o in OPTIONS] == [o.name for s in SPECS for o in s.options]
 
 
 def test_unknown_setting_is_an_error() -> None:

@@ -18,12 +18,13 @@ import vllm_kvreuse
 from tests.unit.conftest import make_request, run_to_completion
 from vllm_kvreuse.compat import supported_release
 from vllm_kvreuse.core.feature import HOOKS, Feature
-from vllm_kvreuse.core.features import FEATURE_ORDER
 from vllm_kvreuse.core.layer import KVReuseLayer, compose
+from vllm_kvreuse.features import SPECS
 from vllm_kvreuse.patches import SCHEDULER_OVERRIDES, signature_of
 
 PACKAGE = Path(vllm_kvreuse.__file__).parent
 FEATURE_PACKAGES = ("admission", "beam", "chunk_cache", "continuation")
+FEATURE_ORDER = [spec.feature_class() for spec in SPECS]
 
 
 def test_a_feature_puts_the_layer_in_front_of_vllms_choice(make_scheduler) -> None:
@@ -117,18 +118,33 @@ def test_features_never_import_each_other() -> None:
 
 
 def test_core_imports_no_feature() -> None:
-    """Keys and services features share live in core; only the feature list
-    (``features.py``) names the features. ``request_args`` imports every
-    feature's validators, so core reads keys from ``core.request_keys``."""
+    """Keys and services features share live in core; only the top floor's
+    list (``vllm_kvreuse/features.py``) names the features. ``request_args``
+    loops over that list, so core reads keys from ``core.request_keys``."""
     forbidden = {f"vllm_kvreuse.{p}" for p in FEATURE_PACKAGES}
-    forbidden.add("vllm_kvreuse.request_args")
+    forbidden |= {"vllm_kvreuse.request_args", "vllm_kvreuse.features"}
     offenders = [
         f"core/{path.name} imports {name}"
         for path in (PACKAGE / "core").glob("*.py")
-        if path.name != "features.py"
         for name in _imports_of(path, forbidden)
     ]
     assert offenders == [], "move what core needs from a feature into core"
+
+
+SHARED_TABLES = ("config.py", "request_args.py", "engine_args.py", "metrics.py")
+
+
+def test_shared_tables_loop_over_the_specs() -> None:
+    """The shared tables import no feature folder: each feature's options,
+    request keys, engine hooks and counters come from its own folder, through
+    the one list (``vllm_kvreuse/features.py``)."""
+    forbidden = {f"vllm_kvreuse.{p}" for p in FEATURE_PACKAGES}
+    offenders = [
+        f"{name} imports {module}"
+        for name in SHARED_TABLES
+        for module in _imports_of(PACKAGE / name, forbidden)
+    ]
+    assert offenders == [], "declare it in the feature's spec instead"
 
 
 def test_a_feature_failing_on_one_request_fails_that_request_alone(

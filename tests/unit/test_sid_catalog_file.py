@@ -12,11 +12,8 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm_kvreuse.beam import catalog_file
 from vllm_kvreuse.beam.catalog_file import load_catalog, parse_catalog
 from vllm_kvreuse.beam.catalog_setup import PROCESSOR
-from vllm_kvreuse.config import (
-    ADDITIONAL_CONFIG_KEY,
-    KVReuseConfig,
-    parse_catalog_path,
-)
+from vllm_kvreuse.beam.spec import parse_catalog_path
+from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY, KVReuseConfig
 
 VOCAB = 100
 CODES = "# sid-catalog v1\n# layout: codes\n# codebooks: 4 8 4\n"

@@ -15,8 +15,8 @@ from typing import Any
 
 from vllm.v1.engine import FinishReason
 
+from vllm_kvreuse.admission.metrics import count_cache_threshold_rejection
 from vllm_kvreuse.admission.policy import FINISH_REASON, REQUEST_FIELD, parse_threshold
-from vllm_kvreuse.metrics import count_cache_threshold_rejection
 
 BODY_FIELDS = (REQUEST_FIELD,)
 """Top-level HTTP body fields copied into ``extra_args``."""

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvreuse.config import parse_fraction
+from vllm_kvreuse.core.options import parse_fraction
 
 FINISH_REASON = "cache_threshold"
 """finish_reason of a rejected request; also its stop_reason on the engine side."""

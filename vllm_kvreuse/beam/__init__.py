@@ -1,5 +1,10 @@
 """Engine-side beam search: beams fork their parent beam's KV blocks.
 
+``spec.py``: the feature's declaration (settings, request keys, class,
+the ``--sid-catalog`` path check); ``engine_args.py``: the catalog's logits
+processor put in the engine arguments and settled on the finished config;
+``metrics.py``: its counters in ``/metrics``.
+
 Engine core (the serving path):
 
 - ``feature.py``: the hook-layer feature: group lifecycle, steps;

@@ -25,11 +25,11 @@ from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
 from vllm_kvreuse.beam.catalog_setup import engine_catalog
+from vllm_kvreuse.beam.metrics import count_beam_group
 from vllm_kvreuse.beam.policy import CONFIG_KEY, NODE_KEY, BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.request_keys import PARENT
-from vllm_kvreuse.metrics import count_beam_group
 from vllm_kvreuse.request_args import internal_args
 
 

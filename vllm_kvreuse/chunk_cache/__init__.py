@@ -1,5 +1,9 @@
 """Position-independent chunk cache (issue 5).
 
+``spec.py``: the feature's declaration (settings, request keys, class);
+``engine_args.py``: its KV connector in the engine arguments, alone or in a
+``MultiConnector`` beside a user's.
+
 Frontend:
 
 - ``frontend.py``: prompts split into segments, the ``chunks`` field;

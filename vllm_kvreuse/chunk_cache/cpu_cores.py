@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kvreuse.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
+from vllm_kvreuse.chunk_cache.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
 
 
 def is_chunk_connector(kv_transfer_config: Any) -> bool:

@@ -1,5 +1,7 @@
 """Continuation requests: a new request inherits a finished request's KV blocks.
 
+- ``spec.py``: the feature's declaration (settings, request keys, class);
+- ``metrics.py``: its counters in ``/metrics``;
 - ``params.py``: the request options (``retain_kv``, ``retain_kv_ttl``);
 - ``feature.py``: engine side, retention of finished parents in the ledger;
 - ``engine.py``: engine-core utilities: release expired parents, find one;

@@ -26,6 +26,7 @@ from vllm.sampling_params import SamplingParams
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import params, remote
 from vllm_kvreuse.continuation.engine import RELEASE_EXPIRED
+from vllm_kvreuse.continuation.metrics import count_continuation
 from vllm_kvreuse.continuation.registry import (
     ParentNotFound,
     ParentRecord,
@@ -35,7 +36,6 @@ from vllm_kvreuse.continuation.registry import (
     track,
 )
 from vllm_kvreuse.core.request_keys import CHUNKS, PARENT
-from vllm_kvreuse.metrics import count_continuation
 from vllm_kvreuse.request_args import internal_args
 
 CONTINUATION_OF = "continuation_of"

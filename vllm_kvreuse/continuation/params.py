@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_kvreuse.config import parse_seconds
+from vllm_kvreuse.core.options import parse_seconds
 
 RETAIN_KV = "retain_kv"
 RETAIN_KV_TTL = "retain_kv_ttl"

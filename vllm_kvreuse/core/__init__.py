@@ -3,7 +3,10 @@
 - :mod:`.layer`: the one class that overrides upstream ``Scheduler`` methods,
   each once, and calls features through named hooks in a declared order.
 - :mod:`.feature`: the hooks a feature may implement (a plain object).
-- :mod:`.features`: which features run, and in what order.
+- :mod:`.spec`: what a feature declares (``FeatureSpec``): options, request
+  keys, switch, scheduler class; each feature folder's ``spec.py`` has one.
+- :mod:`.options`: one server option (``Option``) and the value parsers.
+- :mod:`.features`: builds the enabled features, in the top floor's order.
 - :mod:`.context`: what every feature receives: the scheduler, the services.
 - :mod:`.ledger`: blocks held past their request's life, and inheritance.
 - :mod:`.internal`: requests the plugin adds for itself.

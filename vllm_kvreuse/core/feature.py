@@ -7,7 +7,7 @@ hooks it needs; the layer calls only hooks a feature overrides.
 
 Hooks come in two kinds (:data:`HOOKS`):
 - ``broadcast``: every feature that implements it is called, in the order of
-  :data:`vllm_kvreuse.core.features.FEATURE_ORDER`;
+  :data:`vllm_kvreuse.features.SPECS`;
 - ``exclusive``: at most one enabled feature may implement it (its answer is
   the answer); ``tests/unit/test_hook_layer.py`` fails if two do.
 

@@ -8,7 +8,7 @@ untouched otherwise.
 
 :class:`KVReuseLayer` overrides each upstream method it needs exactly once
 and calls the features' hooks (:mod:`vllm_kvreuse.core.feature`) in
-:data:`~vllm_kvreuse.core.features.FEATURE_ORDER`. Upstream's scheduling
+:data:`~vllm_kvreuse.features.SPECS` order. Upstream's scheduling
 loop runs unchanged inside ``super()``.
 
 Liveness and containment:

@@ -1,0 +1,29 @@
+"""Engine beam search's engine arguments: the SID catalog's logits processor.
+
+Called through the beam spec (:mod:`vllm_kvreuse.beam.spec`) by the generic
+wrappers in :mod:`vllm_kvreuse.engine_args`. ``catalog_setup`` is imported
+only when called: loading the plugin must not import torch-heavy modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_kvreuse.config import KVReuseConfig
+
+
+def attach_catalog_processor(engine_args: Any) -> None:
+    """``--sid-catalog``: the catalog's logits processor."""
+    from vllm_kvreuse.beam.catalog_setup import attach_catalog_processor as attach
+
+    attach(engine_args)
+
+
+def finalize_vllm_config(vllm_config: Any) -> None:
+    """The catalog processor of the runner vLLM will build (settled on the
+    finished ``VllmConfig``)."""
+    if not KVReuseConfig.from_vllm_config(vllm_config).sid_catalog:
+        return
+    from vllm_kvreuse.beam.catalog_setup import select_catalog_processor
+
+    select_catalog_processor(vllm_config)

@@ -1,0 +1,26 @@
+"""Engine beam search's counters in ``/metrics``."""
+
+from __future__ import annotations
+
+from vllm_kvreuse.metrics import counter
+
+
+def count_beam_group(
+    num_forks: int, num_copied_blocks: int, num_member_computed_tokens: int
+) -> None:
+    counter("beam_groups", "Beam searches run inside the engine.").inc()
+    counter(
+        "beam_forks",
+        "Beams moved onto a parent beam's KV blocks: new member requests, and "
+        "live members re-seated onto another beam (engine beam search).",
+    ).inc(num_forks)
+    counter(
+        "beam_copied_blocks",
+        "Partial tail blocks copied (copy-on-write) when forking beams.",
+    ).inc(num_copied_blocks)
+    counter(
+        "beam_computed_prompt_tokens",
+        "Prompt tokens computed by beam requests inside the engine (beyond the "
+        "root request, which vLLM's prompt-token metrics count); their outputs "
+        "never reach the frontend, so vLLM's metrics do not see them.",
+    ).inc(num_member_computed_tokens)

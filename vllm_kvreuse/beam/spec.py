@@ -1,0 +1,79 @@
+"""Engine beam search's declaration: its settings, request keys and class."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_kvreuse.beam.policy import (
+    CONFIG_KEY,
+    LEAF_EOS_KEY,
+    NODE_KEY,
+    BeamConfig,
+    parse_token_id,
+)
+from vllm_kvreuse.core.options import Option, parse_bool
+from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
+
+
+def parse_catalog_path(value: Any, name: str) -> str:
+    """Returns ``value`` as an absolute path to a readable file; ``""`` is off.
+
+    Only checks the file can be read: it is parsed where the engine starts
+    (:func:`vllm_kvreuse.beam.catalog_file.load_catalog`).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a file path, got {value!r}")
+    if not value:
+        return ""
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise ValueError(f"{name}: {value!r} is not a readable file")
+    return path
+
+
+SPEC = FeatureSpec(
+    name="beam",
+    options=(
+        Option(
+            "engine_beam_search",
+            parse_bool,
+            False,
+            "Run use_beam_search requests inside the engine: one engine request "
+            "per beam per step, each forking its parent beam's KV blocks "
+            "(copy-on-write tail) instead of re-prefilling, with no front-end "
+            "round trip between steps.",
+        ),
+        Option(
+            "sid_catalog",
+            parse_catalog_path,
+            "",
+            "SID catalog file (format: docs/sid_catalog.md), built at start-up "
+            "into a trie that beam-search requests asking for it are constrained "
+            "to. Empty (the default): no catalog.",
+        ),
+    ),
+    keys=(
+        ArgKey(
+            CONFIG_KEY,
+            "beam",
+            False,
+            BeamConfig.parse,
+            "A beam-search root request's configuration.",
+        ),
+        ArgKey(
+            NODE_KEY, "beam", False, parse_token_id, "A catalog beam's SID trie node."
+        ),
+        ArgKey(
+            LEAF_EOS_KEY,
+            "beam",
+            False,
+            parse_token_id,
+            "The token a catalog beam at a whole item may take (EOS).",
+        ),
+    ),
+    switch="engine_beam_search",
+    feature="vllm_kvreuse.beam.feature:EngineBeamSearch",
+    attach_engine_args="vllm_kvreuse.beam.engine_args:attach_catalog_processor",
+    finalize_vllm_config="vllm_kvreuse.beam.engine_args:finalize_vllm_config",
+)

@@ -1,0 +1,121 @@
+"""The chunk cache's declaration: its settings, request keys and class."""
+
+from __future__ import annotations
+
+from vllm_kvreuse.chunk_cache.params import parse_lengths
+from vllm_kvreuse.chunk_cache.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
+from vllm_kvreuse.chunk_cache.recompute import parse_recompute
+from vllm_kvreuse.core.options import (
+    Option,
+    choice_parser,
+    parse_bool,
+    parse_fraction,
+    parse_gib,
+    parse_separator,
+    parse_tokens,
+)
+from vllm_kvreuse.core.request_keys import CHUNKS
+from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
+
+CHUNK_HASHES = ("", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+CHUNK_ATTENTION_MODES = ("isolated", "system")
+
+SPEC = FeatureSpec(
+    name="chunk_cache",
+    options=(
+        Option(
+            "enable_chunk_cache",
+            parse_bool,
+            False,
+            "Position-independent chunk cache for RAG requests that send their "
+            "segments as a 'chunks' field (texts or token-id lists: system prompt, "
+            "documents, question): each chunk's KV is computed alone at positions "
+            "from 0, cached by content, and reused at any position by re-rotating "
+            "its keys. Ordinary prompts are never chunked. Uses the KV-connector "
+            "slot.",
+        ),
+        Option(
+            "chunk_separator",
+            parse_separator,
+            "",
+            "Also split text prompts at this separator into chunks (e.g. '##', "
+            "the format 'sys##doc1##doc2##question'); every prompt containing it "
+            "is then chunked. Empty (the default): only requests with a 'chunks' "
+            "field are chunked.",
+        ),
+        Option(
+            "chunk_cache_device_fraction",
+            parse_fraction,
+            0.1,
+            "Chunk-store capacity on the KV cache's device, as a fraction of the "
+            "KV cache's size (memory on top of it).",
+        ),
+        Option(
+            "chunk_cache_cpu_gib",
+            parse_gib,
+            0.0,
+            "Chunk-store capacity in host memory (GiB) for chunks evicted from the "
+            "device tier; 0 turns the CPU tier off.",
+        ),
+        Option(
+            "chunk_cache_hash",
+            choice_parser(*CHUNK_HASHES),
+            "",
+            "Hash of chunk content keys; empty (default) uses vLLM's "
+            "--prefix-caching-hash-algo (sha256 unless set).",
+        ),
+        Option(
+            "chunk_attention",
+            choice_parser(*CHUNK_ATTENTION_MODES),
+            "isolated",
+            "'isolated': a chunk attends to itself only; 'system': chunks also see "
+            "the system prompt (the first segment), whose hash joins their key.",
+        ),
+        Option(
+            "chunk_recompute_fraction",
+            parse_fraction,
+            0.125,
+            "Share of a chunked prompt's chunk tokens, taken from the end of its "
+            "last chunk backwards, that is recomputed with full attention with the "
+            "question instead of loaded from the store (1: full attention). The "
+            "default, with --chunk-recompute-head 64, keeps the most answers at a "
+            "warm TTFT >= 3x below plain vLLM (docs/chunk_cache.md).",
+        ),
+        Option(
+            "chunk_recompute_head",
+            parse_tokens,
+            64,
+            "Tokens at the start of every chunk but the first that are recomputed "
+            "with the real preceding context instead of loaded (EPIC); each "
+            "recomputed run costs the request one engine step.",
+        ),
+        Option(
+            "chunk_recompute_select",
+            parse_fraction,
+            0.0,
+            "Share of a chunked prompt's chunk tokens recomputed with full "
+            "attention, spent on the chunks that share the most rare tokens with "
+            "the question, each from its start (0: off).",
+        ),
+    ),
+    keys=(
+        ArgKey(
+            CHUNK_RECOMPUTE,
+            "chunk_cache",
+            True,
+            parse_recompute,
+            "Which chunk tokens a chunked request recomputes (else the server's).",
+        ),
+        ArgKey(
+            CHUNKS,
+            "chunk_cache",
+            False,
+            parse_lengths,
+            "Token lengths of a chunked prompt's chunks.",
+        ),
+    ),
+    switch="enable_chunk_cache",
+    feature="vllm_kvreuse.chunk_cache.feature:ChunkCache",
+    attach_engine_args="vllm_kvreuse.chunk_cache.engine_args:attach_chunk_connector",
+    on_register="vllm_kvreuse.chunk_cache.engine_args:register_chunk_connector_name",
+)

@@ -1,0 +1,93 @@
+"""What a feature declares about itself: one :class:`FeatureSpec` per folder.
+
+Each feature folder exports ``SPEC`` from its ``spec.py``; the top floor
+(:mod:`vllm_kvreuse.features`) lists them, and the shared tables
+(:mod:`vllm_kvreuse.config`, :mod:`vllm_kvreuse.request_args`, the hook
+layer) loop over that list. A spec module imports only light modules (its
+parsers): :mod:`vllm_kvreuse.config` imports it while it is being built, so
+the scheduler feature class is named by path and imported when a scheduler
+is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvreuse.core.options import Option
+
+if TYPE_CHECKING:
+    from vllm_kvreuse.core.feature import Feature
+
+
+@dataclass(frozen=True, slots=True)
+class ArgKey:
+    """One ``extra_args`` key: who reads it, who may set it, how it is checked.
+
+    ``owner`` is the spec name of the feature that reads it, or ``core``.
+    """
+
+    name: str
+    owner: str
+    public: bool
+    parse: Callable[[Any], Any]
+    doc: str
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSpec:
+    """One feature: its settings, request keys, switch and scheduler class.
+
+    Invariants (checked here): ``switch`` names one of ``options``, every key
+    is owned by ``name``. The feature is on when its switch setting is
+    neither ``None`` nor ``False`` (so a threshold of 0 is on).
+    """
+
+    name: str
+    options: tuple[Option, ...]
+    keys: tuple[ArgKey, ...]
+    switch: str
+    """The option that turns the feature on."""
+    feature: str
+    """``"module:Class"`` of its :class:`~vllm_kvreuse.core.feature.Feature`."""
+    switch_note: str = ""
+    """Said after the switch's flag when a request needs the feature off."""
+    attach_engine_args: str = ""
+    """``"module:function"`` given the ``EngineArgs`` once the settings are
+    folded in, whether the feature is on or not (it checks)."""
+    finalize_vllm_config: str = ""
+    """``"module:function"`` given the finished ``VllmConfig``."""
+    on_register: str = ""
+    """``"module:function"`` called when the plugin loads, in every process."""
+
+    def __post_init__(self) -> None:
+        names = [option.name for option in self.options]
+        assert self.switch in names, f"{self.name}: switch {self.switch} unknown"
+        stray = [key.name for key in self.keys if key.owner != self.name]
+        assert not stray, f"{self.name}: keys owned elsewhere {stray}"
+
+    @property
+    def enabling_flag(self) -> str:
+        """The flag (and how to use it) that a refused request is told of."""
+        flag = "--" + self.switch.replace("_", "-")
+        return f"{flag} ({self.switch_note})" if self.switch_note else flag
+
+    def is_on(self, settings: Any) -> bool:
+        """Whether ``settings`` (a :class:`~vllm_kvreuse.config.KVReuseConfig`)
+        switches this feature on."""
+        value = getattr(settings, self.switch)
+        return value is not None and value is not False
+
+    def feature_class(self) -> type[Feature]:
+        """Imports the scheduler feature class; its ``name`` is the spec's."""
+        cls: type[Feature] = load_hook(self.feature)
+        assert cls.name == self.name, f"{self.feature} is named {cls.name!r}"
+        return cls
+
+
+def load_hook(path: str) -> Any:
+    """Imports ``"module:attr"`` and returns the attribute."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
