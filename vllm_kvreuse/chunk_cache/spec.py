@@ -94,8 +94,8 @@ SPEC = FeatureSpec(
             parse_fraction,
             0.0,
             "Share of a chunked prompt's chunk tokens recomputed with full "
-            "attention, spent on the chunks that share the most rare tokens with "
-            "the question, each from its start (0: off).",
+            "attention, spent on the chunks most relevant to the question "
+            "(tf-idf of its tokens), each from its start (0: off).",
         ),
     ),
     keys=(
