@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -134,6 +136,10 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**server_env(), **(env or {})},
+            # Its own process group: close() ends the engine core and workers
+            # too, also when the server is stopped before it is ready (the
+            # API server alone left its engine core running then).
+            start_new_session=True,
         )
         self._wait_ready(timeout=ready_timeout)
 
@@ -172,6 +178,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        with contextlib.suppress(ProcessLookupError):  # stragglers of the group
+            os.killpg(self.process.pid, signal.SIGKILL)
         self._log.close()
 
     def __enter__(self) -> Server:
