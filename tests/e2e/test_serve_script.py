@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from vllm_kvreuse.testing.server import free_port, server_env
+from vllm_kvreuse.testing.server import OWN_PROCESS_GROUP, free_port, server_env
 
 pytestmark = [
     pytest.mark.e2e,
@@ -56,7 +56,7 @@ def test_every_printed_example_works(smollm2_dir: str, tmp_path: Path) -> None:
     with open(log, "wb") as out:
         script = subprocess.Popen(
             ["bash", "scripts/serve.sh"], cwd=ROOT, env=env, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 300
