@@ -49,29 +49,29 @@ __all__ = [
 ADDITIONAL_CONFIG_KEY = "kvreuse"
 
 
-OPTIONS: tuple[Option, ...] = tuple(option for spec in SPECS for option in spec.options)
-"""Every setting, feature by feature in :data:`~vllm_kvreuse.features.SPECS`."""
-OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
-assert len(OPTIONS_BY_NAME) == len(OPTIONS), "two options share a name"
-
-
 class _Settings:
     """The methods of :class:`KVReuseConfig`; its fields come from the specs."""
 
     __slots__ = ()
 
+    specs: tuple[FeatureSpec, ...]
+    """The features whose options are the fields (class attribute)."""
+    options_by_name: dict[str, Option]
+    """Those options by name (class attribute)."""
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Any:
         """Validates ``raw`` (the additional_config entry); unknown keys are errors."""
-        unknown = set(raw) - set(OPTIONS_BY_NAME)
+        known = cls.options_by_name
+        unknown = set(raw) - set(known)
         if unknown:
             raise ValueError(
                 f"unknown vllm-kvreuse setting(s) {sorted(unknown)} in "
                 f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]; "
-                f"known: {sorted(OPTIONS_BY_NAME)}"
+                f"known: {sorted(known)}"
             )
         values = {
-            name: OPTIONS_BY_NAME[name].parse(value, name)
+            name: known[name].parse(value, name)
             for name, value in raw.items()
             if value is not None
         }
@@ -91,7 +91,7 @@ class _Settings:
     @property
     def features(self) -> tuple[FeatureSpec, ...]:
         """The specs of the features switched on, in hook-call order."""
-        return tuple(spec for spec in SPECS if spec.is_on(self))
+        return tuple(spec for spec in self.specs if spec.is_on(self))
 
     @property
     def enabled(self) -> frozenset[str]:
@@ -99,18 +99,33 @@ class _Settings:
         return frozenset({"core"} | {spec.name for spec in self.features})
 
 
-KVReuseConfig = make_dataclass(
-    "KVReuseConfig",
-    [(option.name, Any, field(default=option.default)) for option in OPTIONS],
-    bases=(_Settings,),
-    namespace={
-        "__module__": __name__,  # so pickle and docs find it here
-        "__doc__": "Validated vllm-kvreuse settings, one field per option in "
-        ":data:`OPTIONS` with its default; defaults change nothing in vLLM.",
-    },
-    frozen=True,
-    slots=True,
-)
+def settings_class(specs: tuple[FeatureSpec, ...]) -> Any:
+    """A frozen settings class with one field per option of ``specs``, in
+    their order, each with its default (:class:`KVReuseConfig` is the one for
+    :data:`~vllm_kvreuse.features.SPECS`)."""
+    options = tuple(option for spec in specs for option in spec.options)
+    by_name = {option.name: option for option in options}
+    assert len(by_name) == len(options), "two options share a name"
+    return make_dataclass(
+        "KVReuseConfig",
+        [(option.name, Any, field(default=option.default)) for option in options],
+        bases=(_Settings,),
+        namespace={
+            "__module__": __name__,  # so pickle and docs find it here
+            "__doc__": "Validated vllm-kvreuse settings, one field per option in "
+            ":data:`OPTIONS` with its default; defaults change nothing in vLLM.",
+            "specs": specs,
+            "options_by_name": by_name,
+        },
+        frozen=True,
+        slots=True,
+    )
+
+
+KVReuseConfig = settings_class(SPECS)
+OPTIONS_BY_NAME: dict[str, Option] = KVReuseConfig.options_by_name
+OPTIONS: tuple[Option, ...] = tuple(OPTIONS_BY_NAME.values())
+"""Every setting, feature by feature in :data:`~vllm_kvreuse.features.SPECS`."""
 
 
 def merge_settings(

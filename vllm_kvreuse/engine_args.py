@@ -1,4 +1,5 @@
-"""Wrappers that put the plugin's settings on vLLM's CLI and EngineArgs.
+"""Wrappers that put the plugin's settings on vLLM's CLI and EngineArgs,
+and check them on the finished ``VllmConfig``.
 
 Flow: ``vllm serve --global-cache-hit-threshold 0.5`` (or
 ``LLM(..., global_cache_hit_threshold=0.5)``) → ``EngineArgs.additional_config
@@ -10,49 +11,68 @@ hooks are in its spec (:data:`vllm_kvreuse.features.SPECS`).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from vllm_kvreuse.config import OPTIONS, OPTIONS_BY_NAME, merge_settings
-from vllm_kvreuse.core.spec import load_hook
+from vllm_kvreuse.config import (
+    OPTIONS,
+    OPTIONS_BY_NAME,
+    KVReuseConfig,
+    Option,
+    merge_settings,
+)
+from vllm_kvreuse.core.spec import hooks
 from vllm_kvreuse.features import SPECS
 
 
 def attach_features(engine_args: Any) -> None:
     """Each feature's change to the engine arguments, once its settings are
     folded in (its spec's ``attach_engine_args``), in :data:`SPECS` order."""
-    for spec in SPECS:
-        if spec.attach_engine_args:
-            load_hook(spec.attach_engine_args)(engine_args)
+    for hook in hooks(SPECS, "attach_engine_args"):
+        hook(engine_args)
 
 
 def finalize_vllm_config(vllm_config: Any) -> None:
     """What can only be settled on the finished ``VllmConfig`` (called at the
     end of its ``__post_init__``): each spec's ``finalize_vllm_config``."""
-    for spec in SPECS:
-        if spec.finalize_vllm_config:
-            load_hook(spec.finalize_vllm_config)(vllm_config)
+    for hook in hooks(SPECS, "finalize_vllm_config"):
+        hook(vllm_config)
 
 
 def register_features() -> None:
     """What each feature needs done when the plugin loads (its spec's
     ``on_register``), in every process."""
-    for spec in SPECS:
-        if spec.on_register:
-            load_hook(spec.on_register)()
+    for hook in hooks(SPECS, "on_register"):
+        hook()
+
+
+def wrap_vllm_config_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __post_init__(self: Any) -> None:
+        original(self)
+        # Validates the settings at start-up, naming a bad one.
+        enabled = KVReuseConfig.from_vllm_config(self).enabled - {"core"}
+        if enabled:
+            # core.layer.FEATURES_ATTR: its get_scheduler_cls patch reads it.
+            self.scheduler_config.kvreuse_features = enabled
+        finalize_vllm_config(self)
+
+    return __post_init__
 
 
 GROUP_TITLE = "vllm-kvreuse"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the plugin's flags to ``parser`` once (a second call is a no-op)."""
+def add_arguments(
+    parser: argparse.ArgumentParser, options: Iterable[Option] = OPTIONS
+) -> None:
+    """Adds the plugin's flags (one per option) to ``parser`` once (a second
+    call is a no-op)."""
     if any(group.title == GROUP_TITLE for group in parser._action_groups):
         return
     group = parser.add_argument_group(
         GROUP_TITLE, "KV-cache reuse features added by the vllm-kvreuse plugin."
     )
-    for option in OPTIONS:
+    for option in options:
         how: dict[str, Any] = (
             {"action": argparse.BooleanOptionalAction}
             if isinstance(option.default, bool)

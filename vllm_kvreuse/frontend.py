@@ -1,12 +1,15 @@
 """Frontend wrappers shared by several features (registered in patches/serving.py).
 
 Each upstream function is wrapped once; the wrapper hands the call to every
-feature that needs it, in a fixed order. Runs in the API-server process or
-the ``LLM`` caller's process.
+feature whose spec (:class:`~vllm_kvreuse.core.spec.FeatureSpec`) has the
+matching frontend hook, in :data:`~vllm_kvreuse.features.SPECS` order
+(renderers in ``render_order``). Names no feature. Runs in the API-server
+process or the ``LLM`` caller's process.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,14 +18,31 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse import request_args
-from vllm_kvreuse.admission import frontend as admission
-from vllm_kvreuse.beam import frontend as beam_frontend
-from vllm_kvreuse.chunk_cache import frontend as chunks
 from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.continuation import frontend as continuation
+from vllm_kvreuse.core.spec import FeatureSpec, hooks
+from vllm_kvreuse.features import SPECS
 
-PROMPTLESS_FIELDS = (continuation.CONTINUATION_OF, chunks.BODY_FIELD)
+PROMPTLESS_FIELDS = tuple(name for spec in SPECS for name in spec.promptless_fields)
 """Body fields that stand in for ``prompt`` on /v1/completions."""
+
+RENDER_ORDER: tuple[FeatureSpec, ...] = tuple(
+    sorted(SPECS, key=lambda spec: spec.render_order)
+)
+"""The features in the order their renderers are asked (lowest
+``render_order`` first, ties in list order)."""
+
+
+@functools.cache
+def _hooks(field: str) -> tuple[Callable[..., Any], ...]:
+    """The specs' ``field`` hooks in list order, imported on first use (a
+    feature's frontend imports vLLM's serving code)."""
+    return tuple(hooks(SPECS, field))
+
+
+@functools.cache
+def _renderers(field: str) -> tuple[Callable[..., Any], ...]:
+    """The specs' ``field`` renderers, in :data:`RENDER_ORDER`."""
+    return tuple(hooks(RENDER_ORDER, field))
 
 
 def validate_extra_args(extra_args: dict[str, Any] | None, vllm_config: Any) -> None:
@@ -83,85 +103,71 @@ def wrap_new_completion_output(original: Callable[..., Any]) -> Callable[..., An
     ) -> Any:
         output = original(self, token_ids, finish_reason, stop_reason)
         if finish_reason is not None:
-            admission.on_final_output(self, output, finish_reason, stop_reason)
-            continuation.on_final_output(self, output)
+            for hook in _hooks("on_final_output"):
+                hook(self, output, finish_reason, stop_reason)
         return output
 
     return _new_completion_output
 
 
+async def _render(field: str, serving: Any, request: Any) -> Any | None:
+    """What the first renderer that claims ``request`` returns; else None."""
+    for render in _renderers(field):
+        result = await render(serving, request)
+        if result is not None:
+            return result
+    return None
+
+
 def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A continuation, then a chunked prompt, may render the request; else vLLM."""
+    """A feature's renderer may render the request; else vLLM."""
 
     async def render_completion_request(self: Any, request: Any) -> Any:
         if (error := client_key_error(self, request)) is not None:
             return error
-        given = request.prompt not in (None, "", [])
-        result = await continuation.render_continuation(self, request, given)
-        if result is None:
-            result = await chunks.render_chunked(self, request)
+        result = await _render("render_completion", self, request)
         return result if result is not None else await original(self, request)
 
     return render_completion_request
 
 
 def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A continuation may render a chat request (no chat template); else vLLM."""
+    """A feature's renderer may render a chat request (with no chat
+    template); else vLLM."""
 
     async def render_chat_request(self: Any, request: Any) -> Any:
         if (error := client_key_error(self, request)) is not None:
             return error
-        given = bool(request.messages)
-        result = await continuation.render_continuation(self, request, given)
+        result = await _render("render_chat", self, request)
         if result is None:
             return await original(self, request)
-        # Chat returns (conversation, inputs); a continuation has no messages.
+        # Chat returns (conversation, inputs); a rendered request has no messages.
         return ([], result) if isinstance(result, list) else result
 
     return render_chat_request
 
 
-SID_CATALOG = "sid_catalog"
-"""Body field: constrain the beams to the server's SID catalog."""
-
-STRICT_BOOLS = ("use_beam_search", SID_CATALOG)
-"""Body fields that must be JSON booleans: pydantic would read ``"yes"`` as
-true, and engine-side beam search then serves a request the client may not
-have meant."""
-
-
-def check_strict_bools(data: Any) -> Any:
+def check_body(data: Any) -> Any:
+    """Each feature's strict checks of a request body (its spec's
+    ``check_body``), before pydantic reads it; returns ``data``."""
     if isinstance(data, dict):
-        for name in STRICT_BOOLS:
-            value = data.get(name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be true or false, got {value!r}")
-        if data.get(SID_CATALOG) and not data.get("use_beam_search"):
-            raise ValueError(f"{SID_CATALOG} applies to use_beam_search requests")
+        for check in _hooks("check_body"):
+            check(data)
     return data
 
 
-def mark_catalog(request: Any, params: Any) -> Any:
-    """Carries the body's ``sid_catalog``, and the parent a continuation
-    resolved to, into the ``BeamSearchParams``."""
-    if (request.model_extra or {}).get(SID_CATALOG):
-        beam_frontend.mark_catalog_params(params)
-    parent = (getattr(request, "vllm_xargs", None) or {}).get(request_args.PARENT)
-    if parent is not None:
-        beam_frontend.mark_parent_params(params, parent)
-    return params
-
-
 def _request_model(original: type, **namespace: Any) -> type:
-    """A subclass of the pydantic request model ``original`` that checks the
-    plugin's strict booleans and carries ``sid_catalog`` into beam params."""
+    """A subclass of the pydantic request model ``original`` that runs the
+    features' body checks and marks its ``BeamSearchParams``."""
 
-    def kvreuse_strict_bools(cls: type, data: Any) -> Any:
-        return check_strict_bools(data)
+    def kvreuse_check_body(cls: type, data: Any) -> Any:
+        return check_body(data)
 
     def to_beam_search_params(self: Any, *args: Any, **kwargs: Any) -> Any:
         params = original.to_beam_search_params(self, *args, **kwargs)
-        return mark_catalog(self, params)
+        for mark in _hooks("to_beam_search_params"):
+            params = mark(self, params)
+        return params
 
     return type(
         original.__name__,
@@ -170,8 +176,8 @@ def _request_model(original: type, **namespace: Any) -> type:
             "__doc__": original.__doc__,
             "__module__": original.__module__,
             "__qualname__": original.__qualname__,
-            "kvreuse_strict_bools": model_validator(mode="before")(
-                classmethod(kvreuse_strict_bools)
+            "kvreuse_check_body": model_validator(mode="before")(
+                classmethod(kvreuse_check_body)
             ),
             "to_beam_search_params": to_beam_search_params,
             **namespace,
@@ -180,14 +186,15 @@ def _request_model(original: type, **namespace: Any) -> type:
 
 
 def strict_chat_completion_request(original: type) -> type:
-    """``ChatCompletionRequest`` whose ``use_beam_search`` must be a boolean."""
+    """``ChatCompletionRequest`` with the features' body checks and
+    ``BeamSearchParams`` marks."""
     return _request_model(original)
 
 
 def promptless_completion_request(original: type) -> type:
-    """``CompletionRequest`` that accepts a body whose prompt comes from
-    ``continuation_of`` or ``chunks`` (the renderers above check it), and
-    whose ``use_beam_search`` must be a boolean."""
+    """``CompletionRequest`` that accepts a body whose prompt comes from a
+    :data:`PROMPTLESS_FIELDS` field (the renderers check it), with the
+    features' body checks and ``BeamSearchParams`` marks."""
 
     def validate_prompt_and_prompt_embeds(cls: type, data: Any) -> Any:
         if isinstance(data, dict) and any(

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_kvreuse.core.request_keys import CORE_KEYS, PARENT, PREFIX, SEAL
-from vllm_kvreuse.core.spec import ArgKey
+from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
 from vllm_kvreuse.features import SPECS
 
 __all__ = [
@@ -37,8 +37,10 @@ __all__ = [
     "KEYS_BY_NAME",
     "PARENT",
     "PUBLIC_FIELDS",
+    "TABLE",
     "ArgKey",
     "BadRequestArgs",
+    "KeyTable",
     "check_client_keys",
     "internal_args",
     "is_sealed",
@@ -59,71 +61,92 @@ class BadRequestArgs(ValueError):
         self.param = param
 
 
-KEYS: tuple[ArgKey, ...] = (
-    *(key for spec in SPECS for key in spec.keys),
-    *CORE_KEYS,
-)
-"""Every key: each feature's (from its spec), then core's."""
-KEYS_BY_NAME: dict[str, ArgKey] = {key.name: key for key in KEYS}
-assert len(KEYS_BY_NAME) == len(KEYS), "two request keys share a name"
-PUBLIC_FIELDS: tuple[str, ...] = tuple(key.name for key in KEYS if key.public)
-"""Public keys, also accepted as top-level HTTP body fields."""
+class KeyTable:
+    """The request keys of ``specs`` and core's, and the checks over them.
 
-ENABLING_FLAG: dict[Owner, str] = {spec.name: spec.enabling_flag for spec in SPECS}
-"""For each feature, the flag a request using it is told to turn on."""
+    The module's own table is :data:`TABLE`, over
+    :data:`~vllm_kvreuse.features.SPECS`; its methods are this module's
+    functions.
+    """
 
+    def __init__(self, specs: tuple[FeatureSpec, ...]) -> None:
+        self.keys: tuple[ArgKey, ...] = (
+            *(key for spec in specs for key in spec.keys),
+            *CORE_KEYS,
+        )
+        """Every key: each feature's (from its spec), then core's."""
+        self.by_name: dict[str, ArgKey] = {key.name: key for key in self.keys}
+        assert len(self.by_name) == len(self.keys), "two request keys share a name"
+        self.public_fields = tuple(key.name for key in self.keys if key.public)
+        """Public keys, also accepted as top-level HTTP body fields."""
+        self.enabling_flag: dict[Owner, str] = {
+            spec.name: spec.enabling_flag for spec in specs
+        }
+        """For each feature, the flag a request using it is told to turn on."""
 
-def internal_args(**values: Any) -> dict[str, Any]:
-    """``extra_args`` entries only the plugin may write, validated and sealed."""
-    for name, value in values.items():
-        key = KEYS_BY_NAME[name]
-        assert not key.public, f"{name} is public: set it directly"
-        key.parse(value)
-    return {**values, SEAL: _TOKEN}
+    def internal_args(self, **values: Any) -> dict[str, Any]:
+        """``extra_args`` entries only the plugin may write, validated and sealed."""
+        for name, value in values.items():
+            key = self.by_name[name]
+            assert not key.public, f"{name} is public: set it directly"
+            key.parse(value)
+        return {**values, SEAL: _TOKEN}
+
+    def check_client_keys(self, extra_args: Mapping[str, Any] | None) -> None:
+        """Refuses internal or unknown plugin keys in what a client sent
+        (``vllm_xargs``), before the plugin adds its own."""
+        for name in extra_args or ():
+            key = self.by_name.get(name)
+            if (key is None and name.startswith(PREFIX)) or (key and not key.public):
+                raise BadRequestArgs(_forbidden(name), name)
+
+    def validate(
+        self, extra_args: Mapping[str, Any] | None, enabled: frozenset[Owner]
+    ) -> None:
+        """Raises :class:`BadRequestArgs` for the first bad plugin key.
+
+        ``enabled``: the features switched on in this server (``core``
+        always). A public key set to null, or ``retain_kv`` false, asks for
+        nothing and is accepted whatever is enabled.
+        """
+        if not extra_args:
+            return
+        sealed = is_sealed(extra_args)
+        for name, value in extra_args.items():
+            key = self.by_name.get(name)
+            if key is None:
+                if name.startswith(PREFIX):
+                    raise BadRequestArgs(_forbidden(name), name)
+                continue  # not ours: vLLM's or another plugin's
+            if not key.public and not sealed:
+                raise BadRequestArgs(_forbidden(name), name)
+            if value is None or value is False:
+                continue
+            if key.owner not in enabled:
+                raise BadRequestArgs(
+                    f"{name} needs a server started with "
+                    f"{self.enabling_flag[key.owner]}",
+                    name,
+                )
+            try:
+                key.parse(value)
+            except (TypeError, ValueError) as e:
+                raise BadRequestArgs(str(e), name) from None
 
 
 def is_sealed(extra_args: Mapping[str, Any]) -> bool:
     return extra_args.get(SEAL) == _TOKEN
 
 
-def check_client_keys(extra_args: Mapping[str, Any] | None) -> None:
-    """Refuses internal or unknown plugin keys in what a client sent
-    (``vllm_xargs``), before the plugin adds its own."""
-    for name in extra_args or ():
-        key = KEYS_BY_NAME.get(name)
-        if (key is None and name.startswith(PREFIX)) or (key and not key.public):
-            raise BadRequestArgs(_forbidden(name), name)
-
-
-def validate(extra_args: Mapping[str, Any] | None, enabled: frozenset[Owner]) -> None:
-    """Raises :class:`BadRequestArgs` for the first bad plugin key.
-
-    ``enabled``: the features switched on in this server (``core`` always).
-    A public key set to null, or ``retain_kv`` false, asks for nothing and is
-    accepted whatever is enabled.
-    """
-    if not extra_args:
-        return
-    sealed = is_sealed(extra_args)
-    for name, value in extra_args.items():
-        key = KEYS_BY_NAME.get(name)
-        if key is None:
-            if name.startswith(PREFIX):
-                raise BadRequestArgs(_forbidden(name), name)
-            continue  # not ours: vLLM's or another plugin's
-        if not key.public and not sealed:
-            raise BadRequestArgs(_forbidden(name), name)
-        if value is None or value is False:
-            continue
-        if key.owner not in enabled:
-            raise BadRequestArgs(
-                f"{name} needs a server started with {ENABLING_FLAG[key.owner]}",
-                name,
-            )
-        try:
-            key.parse(value)
-        except (TypeError, ValueError) as e:
-            raise BadRequestArgs(str(e), name) from None
+TABLE = KeyTable(SPECS)
+"""The keys of every feature in :data:`~vllm_kvreuse.features.SPECS`."""
+KEYS: tuple[ArgKey, ...] = TABLE.keys
+KEYS_BY_NAME: dict[str, ArgKey] = TABLE.by_name
+PUBLIC_FIELDS: tuple[str, ...] = TABLE.public_fields
+ENABLING_FLAG: dict[Owner, str] = TABLE.enabling_flag
+internal_args = TABLE.internal_args
+check_client_keys = TABLE.check_client_keys
+validate = TABLE.validate
 
 
 def _forbidden(name: str) -> str:

@@ -122,7 +122,10 @@ def test_core_imports_no_feature() -> None:
     list (``vllm_kvreuse/features.py``) names the features. ``request_args``
     loops over that list, so core reads keys from ``core.request_keys``."""
     forbidden = {f"vllm_kvreuse.{p}" for p in FEATURE_PACKAGES}
-    forbidden |= {"vllm_kvreuse.request_args", "vllm_kvreuse.features"}
+    forbidden |= {
+        f"vllm_kvreuse.{name}"
+        for name in ("request_args", "features", "engine_args", "frontend")
+    }
     offenders = [
         f"core/{path.name} imports {name}"
         for path in (PACKAGE / "core").glob("*.py")
@@ -131,13 +134,21 @@ def test_core_imports_no_feature() -> None:
     assert offenders == [], "move what core needs from a feature into core"
 
 
-SHARED_TABLES = ("config.py", "request_args.py", "engine_args.py", "metrics.py")
+SHARED_TABLES = (
+    "config.py",
+    "request_args.py",
+    "engine_args.py",
+    "metrics.py",
+    "frontend.py",
+    "core/features.py",
+)
 
 
 def test_shared_tables_loop_over_the_specs() -> None:
     """The shared tables import no feature folder: each feature's options,
     request keys, engine hooks and counters come from its own folder, through
-    the one list (``vllm_kvreuse/features.py``)."""
+    the one list (``vllm_kvreuse/features.py``), and so do the frontend
+    wrappers' hooks."""
     forbidden = {f"vllm_kvreuse.{p}" for p in FEATURE_PACKAGES}
     offenders = [
         f"{name} imports {module}"

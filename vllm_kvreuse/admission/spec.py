@@ -34,4 +34,6 @@ SPEC = FeatureSpec(
     switch="global_cache_hit_threshold",
     switch_note="0 admits all but requests that set their own threshold",
     feature="vllm_kvreuse.admission.feature:CacheHitThreshold",
+    # Before continuation's: a rejection's record sees "cache_threshold".
+    on_final_output="vllm_kvreuse.admission.frontend:on_final_output",
 )

@@ -16,7 +16,9 @@ Engine core (the serving path):
 - ``result.py``: how the best beams reach the frontend.
 
 Worker: ``catalog_processor.py`` (the catalog's logits mask). Frontend:
-``frontend.py`` (online and offline entry points). Catalog data:
+``frontend.py`` (online and offline entry points); ``body.py`` (the
+request body's beam fields: strict booleans, ``sid_catalog``, the parent).
+Catalog data:
 
 - ``catalog.py``: the trie, as tensors;
 - ``catalog_file.py``: the ``--sid-catalog`` file and its parser;

@@ -76,4 +76,6 @@ SPEC = FeatureSpec(
     feature="vllm_kvreuse.beam.feature:EngineBeamSearch",
     attach_engine_args="vllm_kvreuse.beam.engine_args:attach_catalog_processor",
     finalize_vllm_config="vllm_kvreuse.beam.engine_args:finalize_vllm_config",
+    check_body="vllm_kvreuse.beam.body:check_body",
+    to_beam_search_params="vllm_kvreuse.beam.body:to_beam_search_params",
 )

@@ -24,11 +24,9 @@ from typing import Any
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import tokens_input
 
-from vllm_kvreuse.chunk_cache.params import validate_lengths
+from vllm_kvreuse.chunk_cache.params import BODY_FIELD, validate_lengths
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.request_args import internal_args
-
-BODY_FIELD = "chunks"
 
 
 def split_text(text: str, separator: str, tokenizer: Any) -> list[list[int]]:

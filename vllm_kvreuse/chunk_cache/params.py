@@ -1,5 +1,7 @@
 """How a chunked prompt travels from the frontend to the engine.
 
+A client sends its segments in the HTTP body's ``chunks`` field
+(:data:`BODY_FIELD`), or a prompt split at ``--chunk-separator``.
 ``SamplingParams.extra_args["kvreuse_chunks"]`` (an internal key, see
 :mod:`vllm_kvreuse.request_args`) holds the token lengths of the prompt's
 chunks, in order; the question is the rest of the prompt.
@@ -12,6 +14,8 @@ from typing import Any
 
 from vllm_kvreuse.core.request_keys import CHUNKS
 
+BODY_FIELD = "chunks"
+"""HTTP body field: a chunked prompt's segments, sent instead of ``prompt``."""
 MAX_CHUNKS = 4096
 
 

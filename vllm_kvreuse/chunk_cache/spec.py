@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvreuse.chunk_cache.params import parse_lengths
+from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
 from vllm_kvreuse.chunk_cache.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
 from vllm_kvreuse.chunk_cache.recompute import parse_recompute
 from vllm_kvreuse.core.options import (
@@ -118,4 +118,6 @@ SPEC = FeatureSpec(
     feature="vllm_kvreuse.chunk_cache.feature:ChunkCache",
     attach_engine_args="vllm_kvreuse.chunk_cache.engine_args:attach_chunk_connector",
     on_register="vllm_kvreuse.chunk_cache.engine_args:register_chunk_connector_name",
+    promptless_fields=(BODY_FIELD,),
+    render_completion="vllm_kvreuse.chunk_cache.frontend:render_chunked",
 )

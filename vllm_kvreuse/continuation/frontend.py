@@ -27,6 +27,7 @@ from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import params, remote
 from vllm_kvreuse.continuation.engine import RELEASE_EXPIRED
 from vllm_kvreuse.continuation.metrics import count_continuation
+from vllm_kvreuse.continuation.params import CONTINUATION_OF
 from vllm_kvreuse.continuation.registry import (
     ParentNotFound,
     ParentRecord,
@@ -38,7 +39,6 @@ from vllm_kvreuse.continuation.registry import (
 from vllm_kvreuse.core.request_keys import CHUNKS, PARENT
 from vllm_kvreuse.request_args import internal_args
 
-CONTINUATION_OF = "continuation_of"
 CHOICE = "continuation_choice"
 SUFFIX = "continuation_suffix"
 SUFFIX_TOKEN_IDS = "continuation_suffix_token_ids"
@@ -105,8 +105,10 @@ def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
     return add_request
 
 
-def on_final_output(request_state: Any, output: Any) -> None:
-    """Completes the request's record with what the client received."""
+def on_final_output(request_state: Any, output: Any, *_: Any) -> None:
+    """Completes the request's record with what the client received (the
+    spec's ``on_final_output``; it reads the finish reason from ``output``,
+    as the client will see it)."""
     tracked = record_of(request_state)
     if tracked is None or request_state.detokenizer is None:
         return
@@ -271,6 +273,17 @@ async def render_continuation(
     if inputs is None:
         return None
     return await serving._check_model(request) or inputs
+
+
+async def render_completion(serving: Any, request: Any) -> list[Any] | Any | None:
+    """The spec's ``render_completion``: a continuation leaves ``prompt`` empty."""
+    given = request.prompt not in (None, "", [])
+    return await render_continuation(serving, request, given)
+
+
+async def render_chat(serving: Any, request: Any) -> list[Any] | Any | None:
+    """The spec's ``render_chat``: a continuation sends no messages."""
+    return await render_continuation(serving, request, bool(request.messages))
 
 
 # -- Python API ----------------------------------------------------------------

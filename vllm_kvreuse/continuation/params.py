@@ -14,6 +14,9 @@ from typing import Any
 
 from vllm_kvreuse.core.options import parse_seconds
 
+CONTINUATION_OF = "continuation_of"
+"""HTTP body field: the response id a child continues (its prompt comes
+from that parent, so a completion body may leave ``prompt`` out)."""
 RETAIN_KV = "retain_kv"
 RETAIN_KV_TTL = "retain_kv_ttl"
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from vllm_kvreuse.continuation.params import parse_retain_kv, parse_retain_kv_ttl
+from vllm_kvreuse.continuation.params import (
+    CONTINUATION_OF,
+    parse_retain_kv,
+    parse_retain_kv_ttl,
+)
 from vllm_kvreuse.core.options import Option, parse_bool, parse_fraction, parse_seconds
 from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
 
@@ -60,4 +64,12 @@ SPEC = FeatureSpec(
     ),
     switch="enable_continuation",
     feature="vllm_kvreuse.continuation.feature:Continuation",
+    promptless_fields=(CONTINUATION_OF,),
+    render_completion="vllm_kvreuse.continuation.frontend:render_completion",
+    render_chat="vllm_kvreuse.continuation.frontend:render_chat",
+    # Before the chunk cache's renderer: a body naming a parent is a
+    # continuation whatever else it sends (its prompt is the parent's,
+    # chunked as the parent was).
+    render_order=-1,
+    on_final_output="vllm_kvreuse.continuation.frontend:on_final_output",
 )

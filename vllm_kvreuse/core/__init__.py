@@ -4,7 +4,8 @@
   each once, and calls features through named hooks in a declared order.
 - :mod:`.feature`: the hooks a feature may implement (a plain object).
 - :mod:`.spec`: what a feature declares (``FeatureSpec``): options, request
-  keys, switch, scheduler class; each feature folder's ``spec.py`` has one.
+  keys, switch, scheduler class, engine and frontend hooks; each feature
+  folder's ``spec.py`` has one.
 - :mod:`.options`: one server option (``Option``) and the value parsers.
 - :mod:`.features`: builds the enabled features, in the top floor's order.
 - :mod:`.context`: what every feature receives: the scheduler, the services.

@@ -40,7 +40,6 @@ from vllm_kvreuse.core.context import Core
 from vllm_kvreuse.core.feature import HOOKS, Feature, implements
 from vllm_kvreuse.core.features import build_features
 from vllm_kvreuse.core.ledger import Hit
-from vllm_kvreuse.engine_args import finalize_vllm_config
 
 logger = init_logger(__name__)
 
@@ -265,8 +264,9 @@ def compose(base: type) -> type:
 
 
 FEATURES_ATTR = "kvreuse_features"
-"""Attribute the ``VllmConfig.__post_init__`` patch sets on the scheduler
-config: the features switched on (absent when none is)."""
+"""Attribute the ``VllmConfig.__post_init__`` patch
+(:func:`vllm_kvreuse.engine_args.wrap_vllm_config_post_init`) sets on the
+scheduler config: the features switched on (absent when none is)."""
 
 
 def wrap_get_scheduler_cls(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -275,15 +275,3 @@ def wrap_get_scheduler_cls(original: Callable[..., Any]) -> Callable[..., Any]:
         return compose(base) if getattr(self, FEATURES_ATTR, None) else base
 
     return get_scheduler_cls
-
-
-def wrap_vllm_config_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __post_init__(self: Any) -> None:
-        original(self)
-        # Validates the settings at start-up, naming a bad one.
-        enabled = KVReuseConfig.from_vllm_config(self).enabled - {"core"}
-        if enabled:
-            self.scheduler_config.kvreuse_features = enabled
-        finalize_vllm_config(self)
-
-    return __post_init__

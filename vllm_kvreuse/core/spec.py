@@ -3,16 +3,17 @@
 Each feature folder exports ``SPEC`` from its ``spec.py``; the top floor
 (:mod:`vllm_kvreuse.features`) lists them, and the shared tables
 (:mod:`vllm_kvreuse.config`, :mod:`vllm_kvreuse.request_args`, the hook
-layer) loop over that list. A spec module imports only light modules (its
-parsers): :mod:`vllm_kvreuse.config` imports it while it is being built, so
-the scheduler feature class is named by path and imported when a scheduler
-is built.
+layer, the engine arguments, the frontend wrappers) loop over that list. A
+spec module imports only light modules (its parsers):
+:mod:`vllm_kvreuse.config` imports it while it is being built, so the
+scheduler feature class and every hook are named by path
+(``"module:attr"``) and imported when first needed (:func:`hooks`).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,8 @@ class ArgKey:
 
 @dataclass(frozen=True, slots=True)
 class FeatureSpec:
-    """One feature: its settings, request keys, switch and scheduler class.
+    """One feature: its settings, request keys, switch, scheduler class and
+    the engine and frontend hooks it needs (empty: none).
 
     Invariants (checked here): ``switch`` names one of ``options``, every key
     is owned by ``name``. The feature is on when its switch setting is
@@ -61,6 +63,31 @@ class FeatureSpec:
     """``"module:function"`` given the finished ``VllmConfig``."""
     on_register: str = ""
     """``"module:function"`` called when the plugin loads, in every process."""
+
+    # Frontend hooks (API-server or ``LLM`` process), called by
+    # :mod:`vllm_kvreuse.frontend`.
+    promptless_fields: tuple[str, ...] = ()
+    """Body fields that stand in for ``prompt`` on /v1/completions (the
+    feature's renderer builds the prompt from them)."""
+    check_body: str = ""
+    """``"module:function"`` given a completion or chat request body (before
+    pydantic reads it, so JSON types are still visible); raises
+    ``ValueError`` (HTTP 400) to refuse it."""
+    to_beam_search_params: str = ""
+    """``"module:function"`` given a request model and the
+    ``BeamSearchParams`` vLLM built from it; returns them, marked."""
+    render_completion: str = ""
+    """``"module:coroutine"`` given the serving object and a completion
+    request: its engine inputs, an error object, or None (not this
+    feature's request)."""
+    render_chat: str = ""
+    """The same as ``render_completion``, for a chat request."""
+    render_order: int = 0
+    """Renderers run lowest first, ties in list order; the first that
+    answers other than None renders the request."""
+    on_final_output: str = ""
+    """``"module:function"`` given ``(request_state, output, finish_reason,
+    stop_reason)`` when a request's final output is built, in list order."""
 
     def __post_init__(self) -> None:
         names = [option.name for option in self.options]
@@ -91,3 +118,9 @@ def load_hook(path: str) -> Any:
     """Imports ``"module:attr"`` and returns the attribute."""
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def hooks(specs: Iterable[FeatureSpec], field: str) -> list[Callable[..., Any]]:
+    """Each spec's ``field`` hook (a ``"module:function"`` path), imported,
+    in ``specs`` order; specs that leave it empty are passed over."""
+    return [load_hook(path) for spec in specs if (path := getattr(spec, field))]

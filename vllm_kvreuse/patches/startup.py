@@ -66,7 +66,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         target="vllm.config.vllm:VllmConfig.__post_init__",
-        wrapper="vllm_kvreuse.core.layer:wrap_vllm_config_post_init",
+        wrapper="vllm_kvreuse.engine_args:wrap_vllm_config_post_init",
         kind="function",
         signatures={V0_32_0: "(self)"},
         why="get_scheduler_cls sees only the scheduler config, not "
