@@ -27,16 +27,20 @@ timed alike); everything else is overhead:
   block allocation, the beam gate);
 - ``prep``: the runner's ``execute_model`` less the model (batch state
   updates incl. copy-on-write block copies, input preparation);
-- ``sample``: the runner's ``sample_tokens`` less the model (sampler,
-  top-k log-probs, output lists);
+- ``sample``: the runner's ``sample_tokens`` less the model and the beam
+  step (sampler, top-k log-probs, output lists);
+- ``select``: the beam step next to the logits
+  (:class:`vllm_kvreuse.beam.worker.BeamJob`: log-softmax, the group's
+  top-``W``, carriers, sampled tokens overwritten);
 - ``update``: ``Scheduler.update_from_output`` less the beam step
   (finishing requests, routing outputs, reading log-prob rows);
 - ``spawn``: creating and queueing new member requests
-  (``EngineBeamSearch._spawn``: the group's first step);
+  (``Members.spawn``: the group's first step);
 - ``reseat``: re-seating live members onto their next beams
   (``Reseats.move``: blocks, tail copies queued, tokens, hashes);
-- ``rank``: the rest of the beam step (``EngineBeamSearch._advance``:
-  ranking candidates, releasing held beams);
+- ``rank``: the rest of the beam step on the host
+  (``EngineBeamSearch._advance``: the chosen beams' sequences, releasing
+  held beams);
 - ``front``: the frontend's ``OutputProcessor.process_outputs``;
 - ``other``: the rest of the step.
 
@@ -66,7 +70,8 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 PARTS = (
-    "sched", "prep", "sample", "update", "spawn", "reseat", "rank", "front", "other"
+    "sched", "prep", "sample", "select", "update", "spawn", "reseat", "rank",
+    "front", "other",
 )  # fmt: skip
 
 
@@ -151,8 +156,12 @@ class Timers:
         self.wrap(engine.output_processor, "process_outputs", "front")
         beam = scheduler.feature("beam")
         self.wrap(beam, "_advance", "rank")
-        self.wrap(beam, "_spawn", "spawn")
+        self.wrap(beam.members, "spawn", "spawn")
         self.wrap(scheduler.kvreuse.reseats, "move", "reseat")
+        from vllm_kvreuse.beam.worker import BeamJob
+
+        self.wrap(BeamJob, "prepare", "select")
+        self.wrap(BeamJob, "finish", "select")
         schedule = scheduler.schedule
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:

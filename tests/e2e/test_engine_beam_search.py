@@ -24,7 +24,7 @@ def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]
     try:
         engine = Server(
             model_dir, *common, "--engine-beam-search", "--enable-continuation",
-            "--retain-kv-ttl", "2",
+            "--retain-kv-ttl", "2", "--max-num-seqs", "16",
             log_path=logs / "engine.log", block_size=BLOCK_SIZE,
         )  # fmt: skip
     except Exception:
@@ -77,7 +77,10 @@ def test_forks_and_usage_are_reported(servers) -> None:
     )
 
 
-def test_width_over_max_logprobs_is_400(servers) -> None:
+def test_width_over_the_running_seats_is_400(servers) -> None:
+    """A step runs every beam at once: 20 beams on 16 seats is refused, with
+    the flag that would change it. (No log-prob rows come back, so
+    --max-logprobs does not bound the width: 20 > 32 / 2 is no longer it.)"""
     _, engine = servers
     body = {
         "model": SERVED_MODEL, "prompt": prompt(5, 40), "max_tokens": 2,
@@ -85,7 +88,11 @@ def test_width_over_max_logprobs_is_400(servers) -> None:
     }  # fmt: skip
     response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400
-    assert response.json()["error"]["message"]
+    assert "--max-num-seqs" in response.json()["error"]["message"]
+    body["n"] = 16
+    response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 16
 
 
 def test_streaming_beam_search_is_400(servers) -> None:

@@ -44,6 +44,7 @@ from vllm_kvreuse.chunk_cache.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTO
 from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
 from vllm_kvreuse.core.accounting import check_block_accounting
+from vllm_kvreuse.testing.fake_worker import model_output as made_up_output
 
 MAX_MODEL_LEN = 256
 SAMPLED = 7  # the token every request samples
@@ -137,26 +138,31 @@ def completing(scheduler: Scheduler, output: SchedulerOutput) -> set[str]:
 
 
 def fake_model_output(
-    output: SchedulerOutput, sampling: set[str], variant: int = 0, eos: bool = False
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    sampling: set[str],
+    variant: int = 0,
+    eos: bool = False,
 ) -> ModelRunnerOutput:
-    """What a model run would return: a token (with a log-prob row, for beams)
-    for each request in ``sampling``, none for a partial prefill. ``variant``
-    and ``eos`` change the rows, so beams diverge or end.
+    """What a model run would return: a token for each request in
+    ``sampling``, none for a partial prefill; the step's beam groups run
+    through the real worker code on made-up logits (a log-prob row for each
+    request, for fork members). ``variant`` and ``eos`` change the logits
+    and rows, so beams diverge or end.
     """
-    req_ids = list(output.num_scheduled_tokens)
-    n = len(req_ids)
-    # The sampled token first, as vLLM's sampler lists it.
-    row = [SAMPLED, SAMPLED, 8 + variant, EOS if eos else 9 + variant, 20, 21, 22]
-    sampled = [[SAMPLED] if req_id in sampling else [] for req_id in req_ids]
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        logprobs=LogprobsLists(
+
+    def rows(req_ids: list[str]) -> LogprobsLists:
+        n = len(req_ids)
+        # The sampled token first, as vLLM's sampler lists it.
+        row = [SAMPLED, SAMPLED, 8 + variant, EOS if eos else 9 + variant, 20, 21, 22]
+        return LogprobsLists(
             logprob_token_ids=np.array([row] * n, dtype=np.int64).reshape(n, 7),
             logprobs=np.array([LOGPROBS] * n).reshape(n, 7),
             sampled_token_ranks=np.ones(n, dtype=np.int64),
-        ),
+        )
+
+    return made_up_output(
+        scheduler, output, sampling, SAMPLED, variant, EOS if eos else None, rows
     )
 
 
@@ -253,7 +259,7 @@ class Driver:
             self.abort(open_clients[abort_during % len(open_clients)])
             self.seen["aborts while a batch runs"] += 1
         engine_outputs = scheduler.update_from_output(
-            output, fake_model_output(output, sampling, variant, eos)
+            output, fake_model_output(scheduler, output, sampling, variant, eos)
         )
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
@@ -345,7 +351,7 @@ class Driver:
         internal = list(scheduler.kvreuse.internal.owners)
         assert not internal, f"internal requests never retired: {internal}"
         beam = scheduler.feature("beam")
-        assert not beam._groups and not beam._member_group, "beam groups left"
+        assert not beam._groups and not beam.members.group_of, "beam groups left"
 
 
 def _queues(scheduler: Scheduler) -> dict[str, Any]:

@@ -65,25 +65,22 @@ def test_final_ranking_uses_the_length_penalised_score() -> None:
 
 
 def loop_expand(beams: list[Beam], rows: list[dict[int, float]], cfg: BeamConfig):
-    """The rule one candidate at a time, as the front end writes it: the
-    reference the vectorised ``expand`` must match, ties included."""
+    """The rule one candidate at a time, as the front end writes it, with
+    one total order for ties (``sorted`` is stable; candidates are listed
+    beam by beam, by token id): the reference the vectorised ``expand``
+    must match, ties included."""
     completed, candidates = [], []
-    for b, row in zip(beams, rows, strict=True):
-        for token, logprob in row.items():
+    for index, (b, row) in enumerate(zip(beams, rows, strict=True)):
+        for token, logprob in sorted(row.items()):
             cum = b.seq.cum_logprob + logprob
+            if cum == float("-inf"):
+                continue
             if token == cfg.eos_token_id and not cfg.ignore_eos:
                 completed.append((b.request_id, cum))
             else:
-                candidates.append((cum, token, b.request_id))
-    scores = np.array([c[0] for c in candidates], dtype=np.float64)
-    if len(candidates) <= cfg.width:
-        order = np.argsort(-scores)
-    else:
-        order = np.argpartition(-scores, cfg.width - 1)[: cfg.width]
-        order = order[np.argsort(-scores[order])]
-    return completed, [
-        (candidates[i][1], candidates[i][2], candidates[i][0]) for i in order
-    ]
+                candidates.append((cum, index, token, b.request_id))
+    ranked = sorted(candidates, key=lambda c: -c[0])[: cfg.width]
+    return completed, [(token, rid, cum) for cum, _, token, rid in ranked]
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -2,41 +2,52 @@
 
 from __future__ import annotations
 
-import numpy as np
+from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import FinishReason
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import make_request, num_free_blocks
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult, decode, encode
+from vllm_kvreuse.testing.fake_worker import made_up_logits
+from vllm_kvreuse.testing.fake_worker import model_output as made_up_output
 
 PROMPT = list(range(400, 440))  # 40 tokens: 1 full block + 8
-TOKENS = [10, 10, 11, 12, 13]  # sampled first, then the top 4
-LOGPROBS = [-0.1, -0.1, -0.2, -0.3, -0.4]
+VOCAB = 4096  # the tiny model's
+
+
+def host_search(prompt: list[int], config: BeamConfig) -> list[tuple[list[int], float]]:
+    """The host's rule (``policy.expand`` on rows cut in the canonical
+    order) over the made-up logits: what the engine's beams must be."""
+    beams = [Beam(BeamSearchSequence(None, list(prompt), []), "r")]
+    done = []
+    for _ in range(config.max_tokens):
+        rows = []
+        for beam in beams:
+            lp = made_up_logits(beam.seq.tokens[-1], VOCAB).log_softmax(-1)
+            values, tokens = lp.sort(descending=True, stable=True)
+            size = config.num_logprobs
+            rows.append(
+                logprob_row(tokens[:size].tolist(), values[:size].tolist(), size)
+            )
+        step = expand(beams, rows, config)
+        done += step.completed
+        beams = [Beam(seq, f"b{i}") for i, (seq, _) in enumerate(step.beams)]
+    final = best(done, [b.seq for b in beams], config)
+    return [(seq.tokens[len(prompt) :], seq.cum_logprob) for seq in final]
 
 
 def root(width: int = 2, max_tokens: int = 2):
     config = BeamConfig(width=width, max_tokens=max_tokens, eos_token_id=2)
-    request = make_request("root", PROMPT, max_tokens=1, kvreuse_beam=config.to_dict())
-    request.sampling_params.logprobs = 2 * width
-    return request
+    return make_request("root", PROMPT, max_tokens=1, kvreuse_beam=config.to_dict())
 
 
-def model_output(output: SchedulerOutput) -> ModelRunnerOutput:
-    req_ids = list(output.num_scheduled_tokens)
-    n = len(req_ids)
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=[[TOKENS[0]] for _ in req_ids],
-        logprobs=LogprobsLists(
-            logprob_token_ids=np.array([TOKENS] * n),
-            logprobs=np.array([LOGPROBS] * n),
-            sampled_token_ranks=np.ones(n, dtype=np.int64),
-        ),
-    )
+def model_output(scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
+    """Every scheduled request samples; beam groups' steps run through the
+    real worker code on made-up logits (:mod:`vllm_kvreuse.testing.fake_worker`)."""
+    return made_up_output(scheduler, output, set(output.num_scheduled_tokens), 10)
 
 
 def run(scheduler, max_steps: int = 20):
@@ -49,7 +60,9 @@ def run(scheduler, max_steps: int = 20):
         scheduled.append(
             (dict(output.num_scheduled_tokens), output.kv_cache_block_copies)
         )
-        engine_outputs = scheduler.update_from_output(output, model_output(output))
+        engine_outputs = scheduler.update_from_output(
+            output, model_output(scheduler, output)
+        )
         outputs += [o for eco in engine_outputs.values() for o in eco.outputs]
     return scheduled, outputs
 
@@ -69,8 +82,8 @@ def test_group_runs_in_the_engine_and_returns_beams(make_scheduler) -> None:
     assert final.kv_transfer_params is None  # P/D connectors' field, left alone
     result = decode(final.stop_reason)
     assert result is not None, final.stop_reason
-    assert [b.token_ids for b in result.beams] == [[10, 10], [10, 11]]
-    assert abs(result.beams[0].cum_logprob - (-0.2)) < 1e-9
+    want = host_search(PROMPT, BeamConfig(width=2, max_tokens=2, eos_token_id=2))
+    assert [(b.token_ids, b.cum_logprob) for b in result.beams] == want
     assert result.forks == 2
     assert num_free_blocks(scheduler) == free_at_start
 
@@ -81,7 +94,7 @@ def test_abort_of_the_root_frees_the_group(make_scheduler) -> None:
     scheduler.add_request(root(max_tokens=5))
     for _ in range(2):  # root prefill, then the first beams
         output = scheduler.schedule()
-        scheduler.update_from_output(output, model_output(output))
+        scheduler.update_from_output(output, model_output(scheduler, output))
     scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)
     assert not scheduler.feature("beam")._groups and not scheduler.kvreuse.ledger
     run(scheduler)
@@ -115,11 +128,10 @@ def test_beams_reuse_the_root_prompt_hashes_and_hash_the_rest(make_scheduler) ->
     request = make_request(
         "root", long_prompt, max_tokens=1, kvreuse_beam=config.to_dict()
     )
-    request.sampling_params.logprobs = 4
     scheduler.add_request(request)
     for _ in range(30):  # past the next block boundary (96 tokens)
         output = scheduler.schedule()
-        scheduler.update_from_output(output, model_output(output))
+        scheduler.update_from_output(output, model_output(scheduler, output))
     members = [r for r in scheduler.requests.values() if "-beam" in r.request_id]
     assert members and members[0].num_tokens > 96
     for member in members:

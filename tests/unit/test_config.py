@@ -259,3 +259,25 @@ def test_settings_reach_a_spawned_api_server_process(tmp_path) -> None:
     assert seen["processors"] == [
         "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessor"
     ]
+
+
+def test_engine_beams_refuse_speculative_decoding(model_config) -> None:
+    """A beam step runs in vLLM's sampler; a speculative step replaces it."""
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
+
+    def config(**kwargs) -> VllmConfig:
+        return VllmConfig(
+            model_config=model_config,
+            additional_config={ADDITIONAL_CONFIG_KEY: {"engine_beam_search": True}},
+            **kwargs,
+        )
+
+    speculative = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=2, prompt_lookup_max=3,
+        prompt_lookup_min=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="speculative decoding"):
+        config(speculative_config=speculative)
+    config()

@@ -20,9 +20,16 @@ def attach_catalog_processor(engine_args: Any) -> None:
 
 
 def finalize_vllm_config(vllm_config: Any) -> None:
-    """The catalog processor of the runner vLLM will build (settled on the
-    finished ``VllmConfig``)."""
-    if not KVReuseConfig.from_vllm_config(vllm_config).sid_catalog:
+    """Refuses speculative decoding (a beam step runs in the sampler, which
+    a speculative step replaces); the catalog processor of the runner vLLM
+    will build (settled on the finished ``VllmConfig``)."""
+    config = KVReuseConfig.from_vllm_config(vllm_config)
+    if config.engine_beam_search and vllm_config.speculative_config is not None:
+        raise ValueError(
+            "--engine-beam-search does not run with speculative decoding: each "
+            "beam step runs in vLLM's sampler, which a speculative step replaces"
+        )
+    if not config.sid_catalog:
         return
     from vllm_kvreuse.beam.catalog_setup import select_catalog_processor
 

@@ -26,11 +26,32 @@ from vllm.utils.math_utils import cdiv
 
 from vllm_kvreuse.beam.catalog_setup import engine_catalog
 from vllm_kvreuse.beam.metrics import count_beam_group
-from vllm_kvreuse.beam.policy import CONFIG_KEY, NODE_KEY, BeamConfig
+from vllm_kvreuse.beam.policy import CONFIG_KEY, BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.request_keys import PARENT
 from vllm_kvreuse.request_args import internal_args
+
+
+def check_fits(prompt_len: int, params: BeamSearchParams, vllm_config: Any) -> None:
+    """Refuses a beam search the engine cannot run (``VLLMValidationError``,
+    a 400 over HTTP): every beam of a step runs in one batch, so the width
+    must fit the running seats (``--max-num-seqs``) and a step's tokens
+    (``--max-num-batched-tokens``), and the KV pool (:func:`check_fits_pool`)."""
+    width = params.beam_width
+    scheduler = vllm_config.scheduler_config
+    for limit, flag, what in (
+        (scheduler.max_num_seqs, "--max-num-seqs", "running requests"),
+        (scheduler.max_num_batched_tokens, "--max-num-batched-tokens", "tokens a step"),
+    ):
+        if width > limit:
+            raise VLLMValidationError(
+                f"beam search with width {width} runs {width} beams in every "
+                f"step; this engine runs at most {limit} {what} ({flag})",
+                parameter="n",
+                value=width,
+            )
+    check_fits_pool(prompt_len, params, vllm_config.cache_config)
 
 
 def check_fits_pool(
@@ -128,9 +149,10 @@ def root_sampling_params(
 
     ``keep_eos``: a beam ended by EOS keeps the EOS token (offline
     ``LLM.beam_search`` does; the OpenAI server follows
-    ``include_stop_str_in_output``). Catalog beams ask for one more log-prob
-    (the catalog mask's sink, which the step drops) and are scored at
-    temperature 0: their log-probs are the model's, whatever the sampler.
+    ``include_stop_str_in_output``). The root asks for no log-probs: its
+    step runs next to the logits (:mod:`vllm_kvreuse.beam.worker`). Catalog
+    beams are scored at temperature 0: their log-probs are the model's,
+    whatever the sampler.
     """
     catalog = wants_catalog(params)
     config = BeamConfig(
@@ -143,12 +165,9 @@ def root_sampling_params(
         sid_catalog=catalog,
     )
     internal = {CONFIG_KEY: config.to_dict()}
-    if catalog:
-        internal[NODE_KEY] = 0
     if (parent := getattr(params, PARENT_ATTR, None)) is not None:
         internal[PARENT] = parent
     return SamplingParams(
-        logprobs=config.num_logprobs,
         max_tokens=1,
         temperature=0.0 if catalog else params.temperature,
         watermarking=False,
@@ -227,9 +246,7 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
             ):
                 yield output
             return
-        check_fits_pool(
-            len(prompt["prompt_token_ids"]), params, engine.vllm_config.cache_config
-        )
+        check_fits(len(prompt["prompt_token_ids"]), params, engine.vllm_config)
         check_catalog(params, engine.vllm_config)
         tokenizer = self.renderer.get_tokenizer()
         sampling = root_sampling_params(params, tokenizer.eos_token_id)
@@ -316,9 +333,7 @@ def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         check_catalog(params, vllm_config)
         for engine_input in inputs:
-            check_fits_pool(
-                len(engine_input["prompt_token_ids"]), params, vllm_config.cache_config
-            )
+            check_fits(len(engine_input["prompt_token_ids"]), params, vllm_config)
         tokenizer = self.renderer.get_tokenizer()
         sampling = root_sampling_params(params, tokenizer.eos_token_id, keep_eos=True)
         token_prompts = [_tokens_prompt(engine_input) for engine_input in inputs]

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import Request
 
+from vllm_kvreuse.beam.group import Phase
+
 if TYPE_CHECKING:
     from vllm_kvreuse.beam.group import BeamGroup
     from vllm_kvreuse.core.upstream import Upstream
@@ -45,7 +47,7 @@ def steps_that_do_not_fit(
         group = member_group.get(request.request_id)
         if group is not None and request.request_id != group.root_id:
             waiting.setdefault(group.root_id, []).append(request)
-            if group.live:
+            if group.phase is Phase.LIVE:
                 live.add(group.root_id)
     if not waiting:
         return []

@@ -1,47 +1,69 @@
 """A beam group's state, and the engine request of one of its beams.
 
-Free of the hook layer: :class:`BeamGroup` is what one search remembers
-between steps; :func:`member_request` builds the request that computes one
-beam's next token. Both are read and mutated only by
-:class:`~vllm_kvreuse.beam.feature.EngineBeamSearch`.
+Free of the hook layer: :class:`BeamGroup` is everything one search
+remembers between steps; :func:`member_request` builds the request that
+computes one beam's next token. Both are read and mutated only by
+:class:`~vllm_kvreuse.beam.feature.EngineBeamSearch` and the group's step
+strategy (:mod:`.live`, :mod:`.fork`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.request import Request
 
+from vllm_kvreuse.beam.plan import GroupResult, GroupStep
+from vllm_kvreuse.beam.policies import PlainPolicy
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
 from vllm_kvreuse.core.request_keys import PARENT
 from vllm_kvreuse.core.upstream import never_stop, share_block_hashes
 
 
+class Phase(Enum):
+    """Where a group's beams live: in the root (its prefill samples the
+    first step), in members that live across steps (:mod:`.live`), or in
+    one new request per beam per step (:mod:`.fork`). Chosen once, after
+    the root's step."""
+
+    ROOT = "root"
+    LIVE = "live"
+    FORK = "fork"
+
+
 @dataclass(slots=True)
 class BeamGroup:
     """One beam search: its root request and the beams of the current step.
 
-    ``previous`` are last step's beams: their KV is held until this step's
-    beams (their children) have run, then released. ``live``: the beams'
-    requests outlive a step (they are re-seated each step, :mod:`.live`);
-    otherwise each step's beams are new requests of one token.
+    ``previous``: last step's beams, whose KV is held until this step's
+    beams (their children) have run. ``result``: a step the worker ran
+    next to the logits (root and live phases), until it is applied;
+    ``rows``: the members' log-prob rows of a fork step, until all are in.
+    ``in_flight``: steps of the group scheduled whose result is not in;
+    ``delivered``: members whose sample of this update's step came (a
+    result counts only if every beam's did: a preemption may drop one);
+    ``outside``: members that ran outside a group step (their sample is
+    taken back when their output comes).
     """
 
     root: Request
     config: BeamConfig
+    policy: PlainPolicy  # plain or catalog (:mod:`.policies`)
     beams: list[Beam]
-    results: dict[str, Row] = field(default_factory=dict)
-    # Live members whose row of this step is in (they sit out schedules
-    # until the step is taken).
-    sampled: set[str] = field(default_factory=set)
+    phase: Phase = Phase.ROOT
+    result: GroupResult | None = None
+    rows: dict[str, Row] = field(default_factory=dict)
+    in_flight: int = 0
+    delivered: set[str] = field(default_factory=set)
+    outside: set[str] = field(default_factory=set)
     completed: list[BeamSearchSequence] = field(default_factory=list)
     previous: list[str] = field(default_factory=list)
     step: int = 0
-    live: bool = False
     prefill_stats: Any = None
     # What a KV connector returned with the root's prefill (P/D): passed on
     # unchanged in the group's final output.
@@ -53,11 +75,12 @@ class BeamGroup:
     num_member_computed_tokens: int = 0
 
     @classmethod
-    def start(cls, root: Request, config: BeamConfig) -> BeamGroup:
+    def start(cls, root: Request, config: BeamConfig, policy: PlainPolicy) -> BeamGroup:
         """A group whose one beam is the root itself (its prompt)."""
         prompt = list(root.prompt_token_ids or [])
         seq = BeamSearchSequence(orig_prompt=None, tokens=prompt, logprobs=[])
-        return cls(root=root, config=config, beams=[Beam(seq, root.request_id)])
+        beams = [Beam(seq, root.request_id)]
+        return cls(root=root, config=config, policy=policy, beams=beams)
 
     @property
     def root_id(self) -> str:
@@ -68,11 +91,30 @@ class BeamGroup:
         return self.root.num_prompt_tokens
 
     @property
+    def member_ids(self) -> list[str]:
+        """The requests carrying this step's beams, in beam order."""
+        return [beam.request_id for beam in self.beams]
+
+    @property
     def beam_ids(self) -> list[str]:
         """Requests whose KV the group may hold: last step's and this step's."""
-        return self.previous + [beam.request_id for beam in self.beams]
+        return self.previous + self.member_ids
 
-    def result(self, final: list[BeamSearchSequence]) -> BeamResult:
+    def plan(self) -> GroupStep:
+        """This step as the worker runs it next to the logits (:mod:`.plan`)."""
+        config = self.config
+        ends = config.eos_token_id is not None and not config.ignore_eos
+        return GroupStep(
+            group_id=self.root_id,
+            member_ids=self.member_ids,
+            cum_logprobs=[beam.seq.cum_logprob for beam in self.beams],
+            nodes=[beam.node for beam in self.beams] if config.sid_catalog else None,
+            width=config.width,
+            eos=config.eos_token_id if ends and config.eos_token_id is not None else -1,
+            row_size=config.row_size,
+        )
+
+    def result_of(self, final: list[BeamSearchSequence]) -> BeamResult:
         """What the root's client receives: ``final`` beams, best first."""
         return BeamResult(
             beams=[
@@ -97,15 +139,16 @@ def member_request(
     index: int,
     extra_args: dict[str, Any],
     hash_block_size: int,
-    live: bool = False,
 ) -> Request:
     """The request of beam ``index`` of the group's next step.
 
     Its prompt is the beam's ``tokens``; it names ``parent_id``, whose held
     blocks it inherits (:mod:`vllm_kvreuse.core.ledger`), and computes one
     token. ``extra_args`` go next to the parent's name (catalog node).
-    A ``live`` member runs until the group aborts it: it never stops on
-    its own (no EOS, no stop tokens, a token budget for the whole search).
+    A live member (:attr:`Phase.LIVE`) runs until the group aborts it: it
+    never stops on its own (no EOS, no stop tokens, a token budget for the
+    whole search) and asks for no log-probs (its group's step runs next to
+    the logits); a fork member asks for the log-probs its row needs.
     """
     root = group.root
     assert root.sampling_params is not None
@@ -114,9 +157,12 @@ def member_request(
     # beam search, which sets skip_clone).
     sampling = copy.copy(root.sampling_params)
     sampling.extra_args = {PARENT: parent_id, **extra_args}
-    if live:
+    if group.phase is Phase.LIVE:
         sampling.max_tokens = group.config.max_tokens + 1
+        sampling.logprobs = None
         never_stop(sampling)
+    else:
+        sampling.logprobs = group.config.num_logprobs
     request = Request(
         request_id=f"{root.request_id}-beam{group.step}-{index}",
         prompt_token_ids=list(tokens),

@@ -5,10 +5,10 @@ Free of scheduler state. Each live beam offers the tokens of its top
 puts it, duplicates counted once; ``width`` suffice when no candidate can end
 a beam, :attr:`BeamConfig.row_size`); a candidate ending in EOS completes a beam
 unless ``ignore_eos``; the other candidates compete by cumulative log-prob and
-the best ``width`` live on. Ties are broken exactly as the front end breaks
-them: candidates are listed beam by beam in that token order and ranked with
-the same numpy calls. At the end, completed and live beams are ranked by
-vLLM's own length-penalised score (``create_sort_beams_key_function``).
+the best ``width`` live on. Ties go to the lower beam index, then the lower
+token id (:func:`rank`: one total order, shared with the device step,
+:mod:`vllm_kvreuse.beam.select`). At the end, completed and live beams are
+ranked by vLLM's own length-penalised score (``create_sort_beams_key_function``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class BeamConfig:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-MAX_WIDTH = 1024
+MAX_WIDTH = 1 << 16  # the engine's own limits (seats, step tokens) come first
 _REQUIRED = {"width", "max_tokens", "eos_token_id"}
 
 
@@ -194,8 +194,10 @@ def expand(
 ) -> Step:
     """One beam-search step from each live beam's log-prob row.
 
-    Candidates are laid out beam by beam in row order, as the front end lists
-    them, so the same numpy calls on the same score array break ties alike.
+    A candidate has a finite log-prob; EOS (unless ignored) completes a
+    beam; the best ``width`` other candidates by score live on, ties to the
+    lower beam index, then the lower token id (:func:`rank`). The device
+    step (:mod:`vllm_kvreuse.beam.select`) selects with the same order.
     """
     step = Step()
     arrays = [row if isinstance(row, Row) else Row.of(row) for row in rows]
@@ -205,8 +207,9 @@ def expand(
     owner = np.repeat(np.arange(len(arrays)), [len(row) for row in arrays])
     cum = np.fromiter((b.seq.cum_logprob for b in beams), np.float64, len(beams))
     scores = cum[owner] + np.concatenate([row.logprobs for row in arrays])
+    finite = np.isfinite(scores)
     if config.eos_token_id is not None and not config.ignore_eos:
-        ends = tokens == config.eos_token_id
+        ends = finite & (tokens == config.eos_token_id)
     else:
         ends = np.zeros(len(tokens), dtype=bool)
     for index in np.flatnonzero(ends).tolist():
@@ -221,13 +224,10 @@ def expand(
                 finish_reason="stop", stop_reason=token,
             )
         )  # fmt: skip
-    candidates = np.flatnonzero(~ends)
-    live = scores[candidates]
-    if len(candidates) <= config.width:
-        order = np.argsort(-live)
-    else:
-        order = np.argpartition(-live, config.width - 1)[: config.width]
-        order = order[np.argsort(-live[order])]
+    candidates = np.flatnonzero(finite & ~ends)
+    order = rank(
+        scores[candidates], owner[candidates], tokens[candidates], config.width
+    )
     for index in candidates[order].tolist():
         parent = beams[owner[index]]
         seq = BeamSearchSequence(
@@ -239,6 +239,26 @@ def expand(
     return step
 
 
+def rank(
+    scores: np.ndarray, owner: np.ndarray, tokens: np.ndarray, width: int
+) -> np.ndarray:
+    """The best ``width`` candidates' indices, best first, in the order
+    score desc, then beam index asc, then token id asc.
+
+    One total order, so that the host and the device step pick the same
+    beams whatever their sorting algorithms do with equal scores. (vLLM's
+    front-end loop ranks with ``np.argpartition``, whose choice among equal
+    scores depends on the array's layout; its offline loop sorts stably in
+    candidate order. Both agree with this order where scores differ.)
+    """
+    keep = np.arange(len(scores))
+    if len(scores) > width:  # only candidates at or above the width-th score
+        kth = np.partition(-scores, width - 1)[width - 1]
+        keep = np.flatnonzero(-scores <= kth)
+    order = np.lexsort((tokens[keep], owner[keep], -scores[keep]))
+    return keep[order[:width]]
+
+
 def best(
     completed: list[BeamSearchSequence],
     live: list[BeamSearchSequence],
@@ -247,3 +267,51 @@ def best(
     """The final ``width`` beams, best first."""
     key = create_sort_beams_key_function(config.eos_token_id, config.length_penalty)
     return sorted([*completed, *live], key=key, reverse=True)[: config.width]
+
+
+def step_from_result(
+    parents: Sequence[int],
+    tokens: Sequence[int],
+    scores: Sequence[float],
+    eos_scores: Sequence[float | None],
+    leaf_done: Sequence[bool],
+    beams: Sequence[Beam],
+    config: BeamConfig,
+) -> Step:
+    """The :class:`Step` a device step chose (:mod:`vllm_kvreuse.beam.select`):
+    next beams best first, each naming its parent beam's request; completed
+    beams as the host lists them (catalog items complete as they are first,
+    then EOS endings, each in beam order)."""
+    step = Step()
+    for beam, done in zip(beams, leaf_done, strict=True):
+        if done:
+            seq = beam.seq
+            step.completed.append(
+                BeamSearchSequence(
+                    orig_prompt=seq.orig_prompt, tokens=seq.tokens, logprobs=[],
+                    cum_logprob=seq.cum_logprob, finish_reason="length",
+                )
+            )  # fmt: skip
+    eos = config.eos_token_id
+    for beam, score in zip(beams, eos_scores, strict=True):
+        if score is not None and eos is not None:
+            seq = beam.seq
+            step.completed.append(
+                BeamSearchSequence(
+                    orig_prompt=seq.orig_prompt,
+                    tokens=[*seq.tokens, eos]
+                    if config.include_stop_str_in_output
+                    else seq.tokens,
+                    logprobs=[], cum_logprob=score,
+                    finish_reason="stop", stop_reason=eos,
+                )
+            )  # fmt: skip
+    for parent, token, score in zip(parents, tokens, scores, strict=True):
+        beam = beams[parent]
+        seq = BeamSearchSequence(
+            orig_prompt=beam.seq.orig_prompt,
+            tokens=[*beam.seq.tokens, token],
+            logprobs=[], cum_logprob=score,
+        )  # fmt: skip
+        step.beams.append((seq, beam.request_id))
+    return step

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     from vllm_kvreuse.core.context import Core
@@ -41,7 +42,8 @@ HOOKS: dict[str, HookKind] = {
     "release_under_pressure": "broadcast",
     "reset_cache": "broadcast",
     "extra_hit_tokens": "exclusive",
-    "cap_new_tokens": "exclusive",
+    "cap_new_tokens": "broadcast",
+    "on_model_output": "broadcast",
     "waiting_summary": "broadcast",
 }
 """Every hook, by kind; the layer calls them in this vocabulary only."""
@@ -90,7 +92,8 @@ class Feature:
     ) -> int:
         """How many of the ``num_new_tokens`` upstream would schedule for
         ``request`` from ``num_computed_tokens`` it may compute this step (a
-        smaller number splits its prefill there); 0 skips it this step."""
+        smaller number splits its prefill there); 0 skips it this step. The
+        least of every feature's answer counts."""
         return num_new_tokens
 
     # -- steps -----------------------------------------------------------------
@@ -101,6 +104,11 @@ class Feature:
     def after_schedule(self, output: SchedulerOutput) -> None:
         """Upstream built ``output``; the step is not run yet (blocks in it
         must not be freed)."""
+
+    def on_model_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> None:
+        """The workers' output of ``scheduler_output``, before upstream reads it."""
 
     def filter_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """The step's outputs to clients; a feature may take some out."""

@@ -177,6 +177,7 @@ class KVReuseLayer(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        self._each("on_model_output", scheduler_output, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         core = self.kvreuse
         core.internal.route(outputs)

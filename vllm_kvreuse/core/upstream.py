@@ -191,6 +191,11 @@ class Upstream:
 
     # -- queues and seats ----------------------------------------------------------
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The scheduler's requests by id (upstream's dict: read only)."""
+        return self._scheduler.requests
+
     def running_requests(self) -> list[Request]:
         """The running queue (upstream's list: read, do not change)."""
         return self._scheduler.running

@@ -11,6 +11,7 @@ would let us delete it.
 - ``serving.py``: the OpenAI server and the ``LLM`` API: request fields,
   renderers, outputs;
 - ``engine.py``: the engine clients, the engine core and the workers;
+- ``runners.py``: both model runners' samplers run beam groups' steps;
 - ``upstream_state.py``: not patches: the upstream internal attributes the
   plugin's one seam (:mod:`vllm_kvreuse.core.upstream`) reads or changes,
   each checked per release on real objects
@@ -33,7 +34,7 @@ Rules:
 
 from __future__ import annotations
 
-from vllm_kvreuse.patches import engine, serving, startup
+from vllm_kvreuse.patches import engine, runners, serving, startup
 from vllm_kvreuse.patches.registry import (
     ABSENT,
     V0_32_0,
@@ -60,7 +61,12 @@ __all__ = [
     "signature_of",
 ]
 
-PATCHES: tuple[Patch, ...] = (*startup.PATCHES, *serving.PATCHES, *engine.PATCHES)
+PATCHES: tuple[Patch, ...] = (
+    *startup.PATCHES,
+    *serving.PATCHES,
+    *engine.PATCHES,
+    *runners.PATCHES,
+)
 
 
 def apply_all() -> list[str]:

@@ -9,5 +9,8 @@
 - ``ascend_layout.py``: vllm-ascend's per-layer KV cache, on any device;
 - ``reference.py``: the chunk cache's references: masks and segmented KV;
 - ``catalog_reference.py``: the dense catalog-constrained beam step;
+- ``beam_reference.py``: one beam step by brute force over whole rows;
+- ``fake_worker.py``: a stand-in model runner for scheduler-level tests
+  (tokens, and beam steps through the real worker code);
 - ``soak/``: a bounded mixed-load run against a live server.
 """

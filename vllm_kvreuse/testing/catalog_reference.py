@@ -19,8 +19,9 @@ catalog, with the mask applied *before* the top-k:
    over the legal tokens: a returned item's ``cum_logprob`` is its
    log-probability under the model.
 3. As in ``expand``: EOS completes a beam; the other candidates, listed beam
-   by beam in offer order, are ranked by cumulative log-prob with the same
-   numpy calls, and the best ``width`` live on.
+   by beam in offer order, are ranked by cumulative log-prob in
+   :func:`~vllm_kvreuse.beam.policy.rank`'s order, and the best ``width``
+   live on.
 
 Fewer children than ``width`` (the documented rule): the best ``width``
 candidates are taken over all beams' legal children together, so a beam
@@ -48,7 +49,7 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, Step
+from vllm_kvreuse.beam.policy import Beam, BeamConfig, Step, rank
 
 NO_TOKEN = -1
 """``CatalogStep.completed_tokens`` of a beam that ended at a leaf without EOS."""
@@ -164,7 +165,7 @@ def select(
     done_scores = np.concatenate([scores[is_eos], cum[stuck]])
     done = np.argsort(done_parents, kind="stable")  # beam order, as ``expand``
     live = np.flatnonzero(~is_eos)
-    order = live[rank(scores[live], config.width)]
+    order = live[rank(scores[live], parents[live], tokens[live], config.width)]
     return CatalogStep(
         parents=parents[order],
         tokens=tokens[order],
@@ -174,18 +175,6 @@ def select(
         completed_tokens=done_tokens[done],
         completed_cum_logprobs=done_scores[done],
     )
-
-
-def rank(scores: np.ndarray, width: int) -> np.ndarray:
-    """Indices of the best ``width`` scores, best first.
-
-    The numpy calls of :func:`vllm_kvreuse.beam.policy.expand`, so equal
-    scores break the same way (``test_sid_catalog`` checks the two agree).
-    """
-    if len(scores) <= width:
-        return np.argsort(-scores)
-    order = np.argpartition(-scores, width - 1)[:width]
-    return order[np.argsort(-scores[order])]
 
 
 def top_k_stable(values: torch.Tensor, k: int) -> torch.Tensor:

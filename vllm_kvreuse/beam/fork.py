@@ -1,0 +1,60 @@
+"""Fork steps: one new request per beam per step, ranked on the host.
+
+The step strategy of a group whose members cannot outlive a step: its
+blocks cannot be handed over (not full attention, or no prefix caching).
+Every step's beams are new one-token requests (:class:`.members.Members`)
+whose parents are held in the ledger; each asks vLLM's sampler for the
+log-prob row its beam needs (``BeamConfig.num_logprobs``), and the group's
+policy ranks the rows on the host (:mod:`.policies`) once all are in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.v1.engine import EngineCoreOutput
+
+from vllm_kvreuse.beam.policy import Beam, Step, logprob_row
+
+if TYPE_CHECKING:
+    from vllm_kvreuse.beam.group import BeamGroup
+    from vllm_kvreuse.beam.members import Members
+
+
+class ForkSteps:
+    """Spawns each step's beams as new requests; ranks their rows on the host."""
+
+    def __init__(self, members: Members) -> None:
+        self._members = members
+
+    def record(self, group: BeamGroup, out: EngineCoreOutput) -> bool:
+        """One member's log-prob row; True when the step's rows are all in."""
+        logprobs = out.new_logprobs
+        assert logprobs is not None
+        group.rows[out.request_id] = logprob_row(
+            logprobs.logprob_token_ids[0],
+            logprobs.logprobs[0],
+            group.config.num_logprobs,
+        )
+        return len(group.rows) == len(group.beams)
+
+    def host_step(self, group: BeamGroup) -> tuple[Step, list[int]]:
+        """The step the members' rows give (and each next beam's node)."""
+        rows = [group.rows.pop(beam.request_id) for beam in group.beams]
+        return group.policy.host_step(group.beams, rows, group.config)
+
+    def start(self, group: BeamGroup, step: Step, nodes: list[int]) -> list[Beam]:
+        """The next beams as new member requests."""
+        args = group.policy.fork_args(nodes, group.config)
+        return [
+            Beam(
+                seq,
+                self._members.spawn(
+                    group, seq.tokens, parent_id, i, args[i] if args else {}
+                ),
+                nodes[i] if nodes else 0,
+            )
+            for i, (seq, parent_id) in enumerate(step.beams)
+        ]
+
+    apply = start  # every step's beams are new requests

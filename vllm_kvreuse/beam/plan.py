@@ -1,0 +1,106 @@
+"""What the scheduler tells the workers about a step's beam groups, and back.
+
+A beam group's step runs next to the logits (:mod:`.worker`), so each
+scheduler output names the groups whose rows it schedules (a
+:class:`GroupStep` each, in ``SchedulerOutput.kvreuse_beam_steps``), and the
+model runner's output returns each group's chosen beams (a
+:class:`GroupResult` each, in ``ModelRunnerOutput.kvreuse_beam_results``).
+Both are plain attributes added to upstream's dataclasses, which travel to
+and from the workers whole (in process, or pickled); :func:`steps_of` and
+:func:`results_of` read them where absent.
+
+Results cross as two float64 tensors per group (one copy off the device;
+ids and flags are exact in float64), unpacked on the host by
+:meth:`GroupResult.unpack`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STEPS_ATTR = "kvreuse_beam_steps"
+"""``SchedulerOutput`` attribute: the :class:`GroupStep` list of the step."""
+RESULTS_ATTR = "kvreuse_beam_results"
+"""``ModelRunnerOutput`` attribute: group id -> :class:`PackedResult`."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStep:
+    """One group's step in one scheduler output.
+
+    ``member_ids``: the requests whose rows the step samples, in beam order
+    (member ``i`` carries beam ``i``); ``cum_logprobs``: each beam's score;
+    ``nodes``: each beam's SID-catalog trie node (None: no catalog).
+    ``eos``: the token that ends a beam (-1: none ends one); ``row_size``:
+    how deep in its row EOS may rank to end it (:mod:`.select`).
+    """
+
+    group_id: str
+    member_ids: list[str]
+    cum_logprobs: list[float]
+    nodes: list[int] | None
+    width: int
+    eos: int
+    row_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PackedResult:
+    """A group's result as computed on the worker: ``next [W, 5]``
+    (parent, token, score, carrier, valid) and ``beams [B, 4]`` (eos_done,
+    eos_score, leaf_done, 0), float64, on the host once the output is."""
+
+    next: torch.Tensor
+    beams: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """A group's step as the scheduler reads it.
+
+    Next beams best first: ``parents`` (beam index), ``tokens``, ``scores``,
+    ``carriers`` (the member index whose row now samples that beam's token:
+    a parent's first child keeps the parent's member, the others take
+    spares; -1: no member left). Per current beam: ``eos_scores`` (None if
+    EOS did not end it) and ``leaf_done`` (a catalog item complete as is).
+    """
+
+    parents: list[int]
+    tokens: list[int]
+    scores: list[float]
+    carriers: list[int]
+    eos_scores: list[float | None]
+    leaf_done: list[bool]
+
+    @classmethod
+    def unpack(cls, packed: PackedResult) -> GroupResult:
+        rows = [r for r in packed.next.tolist() if r[4]]
+        beams = packed.beams.tolist()
+        return cls(
+            parents=[int(r[0]) for r in rows],
+            tokens=[int(r[1]) for r in rows],
+            scores=[r[2] for r in rows],
+            carriers=[int(r[3]) for r in rows],
+            eos_scores=[b[1] if b[0] else None for b in beams],
+            leaf_done=[bool(b[2]) for b in beams],
+        )
+
+
+def steps_of(scheduler_output: Any) -> list[GroupStep]:
+    return getattr(scheduler_output, STEPS_ATTR, None) or []
+
+
+def results_of(model_runner_output: Any) -> dict[str, PackedResult]:
+    return getattr(model_runner_output, RESULTS_ATTR, None) or {}
+
+
+def put_steps(scheduler_output: Any, steps: list[GroupStep]) -> None:
+    """Names the step's groups in ``scheduler_output`` (its own attribute)."""
+    vars(scheduler_output)[STEPS_ATTR] = steps
+
+
+def put_results(model_runner_output: Any, results: dict[str, PackedResult]) -> None:
+    vars(model_runner_output)[RESULTS_ATTR] = results
