@@ -157,7 +157,7 @@ class Timers:
         beam = scheduler.feature("beam")
         self.wrap(beam, "_advance", "rank")
         self.wrap(beam.members, "spawn", "spawn")
-        self.wrap(scheduler.kvreuse.reseats, "move", "reseat")
+        self.wrap(beam.live_steps, "apply", "reseat")
         from vllm_kvreuse.beam.worker import BeamJob
 
         self.wrap(BeamJob, "prepare", "select")

@@ -79,20 +79,21 @@ def test_width_too_large_for_the_pool_is_refused(llm: LLM) -> None:
 
 def test_beams_live_across_steps(llm: LLM) -> None:
     """Each beam is one engine request for the whole search: a group spawns
-    its ``width`` members once and re-seats them every step (moved requests
-    copy their parent's tail block), over a block boundary, and the beams
-    still equal vLLM's own loop."""
+    its ``width`` members once; a member that takes another beam gets its
+    parent's private KV blocks copied by the worker, over block boundaries,
+    two groups sharing a 20-block pool, and the beams still equal vLLM's
+    own loop."""
     core = scheduler_of(llm).kvreuse
-    spawned, moved = core.internal.num_spawned, core.reseats.num_moved
+    live = scheduler_of(llm).feature("beam").live_steps
     params = BeamSearchParams(beam_width=6, max_tokens=40)  # 57 + 40 > 3 blocks
     batch = prompts(2, first_seed=3)
     expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
-    spawned, moved = core.internal.num_spawned, core.reseats.num_moved
+    spawned, moved = core.internal.num_spawned, live.num_moved
     got = summary(llm.beam_search(batch, params, concurrency_limit=2))
     for want, have in zip(expected, got, strict=True):
         assert [tokens for tokens, _ in have] == [tokens for tokens, _ in want]
         for (_, a), (_, b) in zip(have, want, strict=True):
             assert a == pytest.approx(b, abs=1e-3)
     assert core.internal.num_spawned - spawned == 2 * 6  # not 2 * 6 * 39
-    assert core.reseats.num_moved > moved
+    assert live.num_moved > moved  # members took other beams (KV copied)
     assert not core.reseats.copies_queued()

@@ -196,6 +196,7 @@ class Driver:
         self.pool_size = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
         self.clients: dict[str, Client] = {}
         self.num_steps = 0
+        self.scheduled: list[str] = []  # the last schedule's requests
         self.idle_steps = 0
         self.max_idle_steps = 0
         self.log: list[str] = []  # the actions, for failure messages
@@ -282,6 +283,7 @@ class Driver:
     def _scheduled(self, output: SchedulerOutput, runnable: bool) -> None:
         """Records a schedule and checks liveness."""
         self.num_steps += 1
+        self.scheduled = list(output.num_scheduled_tokens)
         meta = output.kv_connector_metadata
         self.seen["chunk loads"] += len(meta.loads)
         self.seen["chunk saves"] += len(meta.saves)

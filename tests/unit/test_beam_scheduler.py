@@ -120,8 +120,13 @@ def test_a_step_is_admitted_whole_or_not_at_all(make_scheduler) -> None:
     assert num_free_blocks(scheduler) == free_at_start
 
 
-def test_beams_reuse_the_root_prompt_hashes_and_hash_the_rest(make_scheduler) -> None:
-    """A beam's block hashes equal hashing its whole prompt from scratch."""
+def test_live_members_share_the_prompt_hashes_and_hash_the_rest_privately(
+    make_scheduler,
+) -> None:
+    """A live member's blocks of the root's prompt hash as anyone's; its
+    blocks past them, whose content changes when it takes another beam,
+    get hashes no request (no other member) can produce: no lookup finds
+    them."""
     scheduler = make_scheduler()
     long_prompt = list(range(400, 470))  # 2 full blocks + 6
     config = BeamConfig(width=2, max_tokens=40, eos_token_id=2)
@@ -134,9 +139,14 @@ def test_beams_reuse_the_root_prompt_hashes_and_hash_the_rest(make_scheduler) ->
         scheduler.update_from_output(output, model_output(scheduler, output))
     members = [r for r in scheduler.requests.values() if "-beam" in r.request_id]
     assert members and members[0].num_tokens > 96
+    private = []
     for member in members:
         fresh = make_request("fresh", list(member.all_token_ids))
-        assert member.block_hashes == fresh.block_hashes
+        assert len(member.block_hashes) == len(fresh.block_hashes) == 3
+        assert member.block_hashes[:2] == fresh.block_hashes[:2]
+        assert member.block_hashes[2] != fresh.block_hashes[2]
+        private.append(member.block_hashes[2])
+    assert len(set(private)) == len(members)
     scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)
 
 

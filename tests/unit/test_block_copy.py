@@ -14,7 +14,7 @@ import pytest
 import torch
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-from vllm_kvreuse.device.block_copy import copy_cpu_blocks
+from vllm_kvreuse.device.block_copy import copy_blocks_indexed, copy_cpu_blocks
 from vllm_kvreuse.patches import PATCHES, apply_for_runner
 from vllm_kvreuse.testing.ascend_layout import ascend_layer
 
@@ -117,3 +117,27 @@ def test_cpu_block_copies_equal_vllms_helper(kernel_splits: int) -> None:
     assert copy_cpu_blocks(layers, NUM_BLOCKS, COPIES) == []  # done block by block
     chained = [KVCacheBlockCopy(1, 3), KVCacheBlockCopy(3, 2)]
     assert copy_cpu_blocks(layers, NUM_BLOCKS, chained) == layers  # to the helper
+
+
+@pytest.mark.parametrize("kernel_splits", [1, 2])
+def test_indexed_block_copies_equal_vllms_helper(kernel_splits: int) -> None:
+    """A moved beam's private blocks, copied by index tensors (what a worker
+    holds without a host sync): the caches end as vLLM's helper leaves them
+    for the same pairs, tuples of vllm-ascend's layout and aliased layers
+    included; on an accelerator a pair may repeat its own block (a no-op)."""
+    upstream = COPY_TARGETS[0].original()
+    shape = (NUM_BLOCKS * kernel_splits, 2, 16 // kernel_splits, 64)
+    ours = filled([torch.zeros(shape) for _ in range(2)])
+    ours.append(ours[0])
+    theirs = [layer.clone() for layer in ours[:2]]
+    src, dst = torch.tensor([1, 4]), torch.tensor([3, 0])
+    copy_blocks_indexed(ours, NUM_BLOCKS, src, dst)
+    upstream(theirs, NUM_BLOCKS, COPIES)
+    for mine, reference in zip(ours[:2], theirs, strict=True):
+        assert torch.equal(mine, reference)
+    tuples = filled([ascend_layer(NUM_BLOCKS, 2, 16, torch.bfloat16, block_size=16)])
+    before = [tensor.clone() for tensor in tuples[0]]
+    copy_blocks_indexed(tuples, NUM_BLOCKS, src, dst)
+    for old, new in zip(before, tuples[0], strict=True):
+        assert_copied(old, new, 1)
+    copy_blocks_indexed(ours, NUM_BLOCKS, src[:0], dst[:0])  # nothing moved

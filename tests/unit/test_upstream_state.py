@@ -17,12 +17,15 @@ from tests.unit.conftest import make_request
 from tests.unit.scheduler_driver import make_full_scheduler
 from vllm_kvreuse.compat import SUPPORTED_VLLM, supported_release
 from vllm_kvreuse.patches import UPSTREAM_STATE, UpstreamState, signature_of
+from vllm_kvreuse.patches.runner_state import RUNNER_STATE
 from vllm_kvreuse.patches.upstream_state import ATTRIBUTE
 
 PACKAGE = Path(vllm_kvreuse.__file__).parent
 SEAM = PACKAGE / "core" / "upstream.py"
+HOOKS = PACKAGE / "beam" / "runner_hooks.py"
+"""The runner side's one module that reads runner state (RUNNER_STATE)."""
 CHECKED = [
-    *sorted((PACKAGE / "beam").glob("*.py")),
+    *sorted(p for p in (PACKAGE / "beam").glob("*.py") if p != HOOKS),
     *sorted((PACKAGE / "continuation").glob("*.py")),
     *(PACKAGE / "core" / f"{name}.py" for name in ("context", "ledger", "reseat")),
 ]
@@ -112,6 +115,23 @@ def test_only_the_seam_reaches_into_upstream_state(path: Path) -> None:
     } - READ_EVERYWHERE
     touched = sorted(_attribute_names(path) & guarded)
     assert touched == [], f"go through core/upstream.py for {touched}"
+
+
+OWN_NAMES = {"finish", "prepare", "results", "get", "pop", "setdefault", "num_blocks"}
+"""Names ``runner_hooks`` reads off its own objects (the beam job, dicts) or
+off public config (``KVCacheConfig.num_blocks``)."""
+
+
+def test_runner_hooks_read_only_registered_runner_state() -> None:
+    """Every runner attribute the sampler patches read is in RUNNER_STATE
+    (checked per release on live workers, tests/integration/test_runner_tier.py),
+    and every entry is still read."""
+    tree = ast.parse(HOOKS.read_text())
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    read |= _strings(HOOKS) & {"model_runner_output", "_model_runner_output"}
+    registered = {entry.name for entry in RUNNER_STATE}
+    assert sorted(read - registered - OWN_NAMES) == [], "register in RUNNER_STATE"
+    assert sorted(registered - read) == [], "drop these from RUNNER_STATE"
 
 
 def _attribute_names(path: Path) -> set[str]:

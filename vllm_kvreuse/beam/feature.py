@@ -5,25 +5,24 @@ that the frontend sends instead of one request per beam per step. Each
 step runs next to the logits in the worker that samples it
 (:mod:`.worker`): the scheduler names the step's groups in its output
 (:meth:`BeamGroup.plan`), the worker returns each group's next beams
-(:mod:`.plan`). The root's prefill gives the first step; the first beams are
-internal requests (:mod:`vllm_kvreuse.core.internal`) naming the root
-(``kvreuse_parent``), so the core layer hands them its blocks (full blocks
-by reference, the partial tail copy-on-write). From then on the members
-live (:mod:`.live`): each step every member decodes one token and is
-re-seated onto the beam it carries next. Where blocks cannot be handed over
-(not full attention, no prefix caching) each step's beams are new
-one-token requests instead (:attr:`Phase.FORK`), whose log-prob rows are
-ranked on the host (:mod:`.policies`).
+(:mod:`.plan`). The root's prefill gives the first step; then the group's
+step strategy, chosen once, runs the rest: *live* (:mod:`.live`) where
+blocks can be handed over (full attention, prefix caching): ``width``
+member requests for the whole search, the workers applying each step
+themselves, so a group advances every engine step under async scheduling
+too; else *fork* (:mod:`.fork`): each step's beams are new one-token
+requests whose log-prob rows are ranked on the host (:mod:`.policies`).
 
 Block ownership: live members own their blocks as any running request
-(re-seats move references, :mod:`vllm_kvreuse.core.reseat`); a beam forked
-as a new request has its parent held in the ledger (owner ``beam``) until
-the step after next is selected. Under memory pressure the oldest group's
-held blocks are released (then its members use the prefix cache), else the
-oldest group's members that wait for a sibling are preempted, so beams can
-never deadlock the queue. ``reset_prefix_cache`` releases every held beam.
-When the group ends, fails or is aborted, everything it holds is released
-and its members are aborted.
+(the prompt's full blocks shared, the rest their own); a fork member's
+parent is held in the ledger (owner ``beam``) until the step after next is
+selected, as the root is until its children have run. Under memory
+pressure the oldest group's held blocks are released (its waiting members
+then use the prefix cache), else the oldest group's members that sit out
+for a sibling are preempted, so beams can never deadlock the queue.
+``reset_prefix_cache`` releases every held beam. When the group ends,
+fails or is aborted, everything it holds is released, its members are
+aborted and the workers forget its beams.
 
 Admission: a step is admitted whole (:mod:`.gate`). Outputs: the root's and
 members' outputs never reach the client; the root's client gets one final
@@ -45,7 +44,15 @@ from vllm_kvreuse.beam.gate import steps_that_do_not_fit
 from vllm_kvreuse.beam.group import BeamGroup, Phase
 from vllm_kvreuse.beam.live import OWNER, LiveSteps
 from vllm_kvreuse.beam.members import Members
-from vllm_kvreuse.beam.plan import GroupResult, put_steps, results_of, steps_of
+from vllm_kvreuse.beam.plan import (
+    GroupResult,
+    GroupStep,
+    outside_of,
+    put_outside,
+    put_steps,
+    results_of,
+    steps_of,
+)
 from vllm_kvreuse.beam.policies import policy_for
 from vllm_kvreuse.beam.policy import BeamConfig, best
 from vllm_kvreuse.core.feature import Feature
@@ -69,12 +76,14 @@ class EngineBeamSearch(Feature):
         super().__init__(core)
         self._groups: dict[str, BeamGroup] = {}  # by root id, oldest first
         self.members = Members(core, self)  # roots and members by id
-        self._live = LiveSteps(core, self.members)
+        self.live_steps = LiveSteps(core, self.members)
         self._fork = ForkSteps(self.members)
         self._ready: dict[str, BeamGroup] = {}  # a step's result is in
         self._parked: list[Request] = []  # waiting members out of one schedule
         self._held: list[Request] = []  # running members out of one schedule
         self._sat_out: set[str] = set()  # the last schedule's held members
+        self._ended: list[str] = []  # live groups the workers must forget
+        self._outside_now: set[str] = set()  # this update's samples to take back
         # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
         self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
         self._upstream = core.upstream
@@ -91,7 +100,12 @@ class EngineBeamSearch(Feature):
         self.members.add(request.request_id, group)
 
     def before_free_blocks(self, request: Request) -> None:
-        if self.members.get(request.request_id) and request.status in _DONE:
+        """A root's or fork member's blocks stay for the next step's beams
+        (a live member ends with its group: nobody forks from it)."""
+        group = self.members.get(request.request_id)
+        if group is None or request.status not in _DONE:
+            return
+        if request.request_id == group.root_id or group.phase is Phase.FORK:
             self.core.ledger.hold(request, OWNER)
 
     def on_finish(self, request: Request) -> None:
@@ -142,22 +156,37 @@ class EngineBeamSearch(Feature):
         if self._held:
             self._upstream.put_back(self._held)
             self._held = []
+        steps = [GroupStep(root_id, "end", []) for root_id in self._ended]
+        self._ended = []
         if self._groups:
             groups = [g for g in self._groups.values() if g.phase is not Phase.FORK]
             requests = self.core.scheduler.requests
-            whole = live.stepping(groups, output.num_scheduled_tokens, requests)
-            put_steps(output, [group.plan() for group in whole])
+            before = {g.root_id: set(g.outside) for g in groups}
+            for group in live.stepping(groups, output.num_scheduled_tokens, requests):
+                live_group = group.phase is Phase.LIVE
+                blocks = self.live_steps.private_blocks(group) if live_group else None
+                steps.append(group.plan(blocks))
+                group.started |= live_group
+            outside = {rid for g in groups for rid in g.outside - before[g.root_id]}
+            if outside:
+                put_outside(output, outside)
+        if steps:
+            put_steps(output, steps)
 
     def on_model_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> None:
         """The workers' results of the step's groups (:mod:`.plan`)."""
+        # Samples this output's step made outside a group step: taken back
+        # as their outputs are read (_take), and no longer in flight.
+        self._outside_now = outside_of(scheduler_output)
+        for group in self._groups.values():
+            group.outside -= self._outside_now
         results = results_of(model_output)
         for step in steps_of(scheduler_output):
             group = self._groups.get(step.group_id)
-            if group is None:
+            if group is None or step.kind == "end":
                 continue  # dropped meanwhile
-            group.in_flight -= 1
             packed = results.get(step.group_id)
             if packed is None:
                 self._drop(group)
@@ -167,8 +196,11 @@ class EngineBeamSearch(Feature):
                     "sampler patched? see docs/engine_beam_search.md)",
                 )
                 continue
-            group.result = GroupResult.unpack(packed)
+            group.result = GroupResult.unpack(packed, len(group.beams))
             group.delivered.clear()
+            if group.phase is Phase.LIVE:  # the workers have applied it
+                group.snapshots = self.live_steps.snapshot(group, group.result)
+                self._ready[group.root_id] = group
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
         self._take(output)
@@ -182,7 +214,7 @@ class EngineBeamSearch(Feature):
                     if out.request_id not in self._groups or not self._take(out)
                 ]
         for group in self._groups.values():
-            if group.result is not None and group.phase is not Phase.FORK:
+            if group.result is not None and group.phase is Phase.ROOT:
                 self._settle(group)
         ready, self._ready = self._ready, {}
         for group in ready.values():
@@ -193,15 +225,13 @@ class EngineBeamSearch(Feature):
                 self.core.fail(group.root_id, f"beam step failed: {e}")
 
     def _settle(self, group: BeamGroup) -> None:
-        """A worker's step counts once every beam's sample of it came; else
-        (a preemption dropped one, to be sampled again) it is discarded and
-        the samples that came are taken back."""
-        if set(group.member_ids) <= group.delivered:
+        """A root's step counts once its sample came; else (a preemption
+        dropped it: the root samples again) it is discarded. (A live
+        group's step counts as the workers ran it: they applied it.)"""
+        if group.root_id in group.delivered:
             self._ready[group.root_id] = group
-            return
-        group.result = None
-        for rid in group.delivered - {group.root_id}:
-            self._live.rewind(rid)
+        else:
+            group.result = None
 
     def release_under_pressure(self) -> bool:
         """Held beams may be what blocks the queue's head: let the oldest
@@ -246,16 +276,16 @@ class EngineBeamSearch(Feature):
             computed = stats.num_computed_tokens if stats is not None else 1
             group.num_member_computed_tokens += computed
         if out.finish_reason is None:  # a live member's step
-            if out.request_id in group.outside:
-                group.outside.discard(out.request_id)
-                if out.new_token_ids:
-                    self._live.rewind(out.request_id)
-            elif out.new_token_ids:
-                group.delivered.add(out.request_id)
+            if out.request_id in self._outside_now and out.new_token_ids:
+                self.live_steps.rewind(out.request_id)
             return True
         self.members.forget([out.request_id])
         is_root = out.request_id == group.root_id
-        failed = out.finish_reason not in _OK or group.phase is Phase.LIVE
+        # A live member ends with its group's last step (its max_tokens).
+        last = group.result is not None and group.step + 1 >= group.config.max_tokens
+        failed = out.finish_reason not in _OK or (
+            group.phase is Phase.LIVE and not last
+        )
         if not failed and group.phase is Phase.FORK:
             failed = out.new_logprobs is None
         if failed:  # a live member never finishes on its own
@@ -298,12 +328,12 @@ class EngineBeamSearch(Feature):
             self._drop(group)
         elif group.phase is Phase.LIVE:
             assert result is not None, "a live group's step comes from a worker"
-            group.beams = self._live.apply(group, step, nodes, result.carriers)
+            group.beams = self.live_steps.apply(group, step, nodes, result.carriers)
         elif group.phase is Phase.FORK:
             group.beams = self._fork.apply(group, step, nodes)
         else:  # the root's step: the group's strategy, chosen once
             group.phase = Phase.LIVE if self._can_live(group) else Phase.FORK
-            steps = self._live if group.phase is Phase.LIVE else self._fork
+            steps = self.live_steps if group.phase is Phase.LIVE else self._fork
             group.beams = steps.start(group, step, nodes)
 
     def _can_live(self, group: BeamGroup) -> bool:
@@ -342,6 +372,8 @@ class EngineBeamSearch(Feature):
         self._ready.pop(group.root_id, None)
         members = self.members.of(group)
         self.members.forget(members)
+        if group.started:  # the workers forget its beams
+            self._ended.append(group.root_id)
         self._release_held(group.beam_ids)
         self.core.abort(r for r in members if r != group.root_id)
 

@@ -57,20 +57,20 @@ def check_fits(prompt_len: int, params: BeamSearchParams, vllm_config: Any) -> N
 def check_fits_pool(
     prompt_len: int, params: BeamSearchParams, cache_config: CacheConfig
 ) -> None:
-    """Refuses a beam search that cannot fit the KV pool even with full sharing.
+    """Refuses a beam search that cannot fit the KV pool.
 
-    The least a step needs: one beam's whole sequence, plus one private
-    block for each other beam (its copy-on-write tail).
+    Its beams share the prompt's full blocks; each of the ``width`` members
+    owns its blocks past them, up to its last token (a member that takes
+    another beam gets that beam's KV copied into its own blocks).
     """
     num_blocks = cache_config.num_gpu_blocks
     if not num_blocks:
         return
     usable = num_blocks - 1  # vLLM's block pool keeps one null block
-    needed = (
-        cdiv(prompt_len + params.max_tokens, cache_config.block_size)
-        + params.beam_width
-        - 1
-    )
+    size = cache_config.block_size
+    shared = prompt_len // size
+    private = cdiv(prompt_len + params.max_tokens, size) - shared
+    needed = shared + params.beam_width * private
     if needed > usable:
         raise VLLMValidationError(
             f"beam search with width {params.beam_width} on a {prompt_len}-token "

@@ -41,14 +41,17 @@ class BeamGroup:
     """One beam search: its root request and the beams of the current step.
 
     ``previous``: last step's beams, whose KV is held until this step's
-    beams (their children) have run. ``result``: a step the worker ran
-    next to the logits (root and live phases), until it is applied;
+    beams (their children) have run. ``members``: a live group's requests,
+    one per place (``width``), fixed from its first step to its last; each
+    carries one beam or none (``Beam.request_id`` names the carrier).
+    ``started``: the workers hold the live group's beams (:mod:`.plan`).
+    ``result``: a step the worker ran next to the logits (root and live
+    phases), until it is applied, with ``snapshots`` (the histories of
+    moved beams' parents, read before the step's tokens were appended);
     ``rows``: the members' log-prob rows of a fork step, until all are in.
-    ``in_flight``: steps of the group scheduled whose result is not in;
-    ``delivered``: members whose sample of this update's step came (a
-    result counts only if every beam's did: a preemption may drop one);
-    ``outside``: members that ran outside a group step (their sample is
-    taken back when their output comes).
+    ``delivered``: the root's sample of its step came (a preemption may
+    drop it: the root then samples again); ``outside``: members with a
+    sample in flight made outside a group step (taken back when it comes).
     """
 
     root: Request
@@ -56,9 +59,11 @@ class BeamGroup:
     policy: PlainPolicy  # plain or catalog (:mod:`.policies`)
     beams: list[Beam]
     phase: Phase = Phase.ROOT
+    members: list[str] = field(default_factory=list)
+    started: bool = False
     result: GroupResult | None = None
+    snapshots: dict[int, tuple[int, list[int] | None]] = field(default_factory=dict)
     rows: dict[str, Row] = field(default_factory=dict)
-    in_flight: int = 0
     delivered: set[str] = field(default_factory=set)
     outside: set[str] = field(default_factory=set)
     completed: list[BeamSearchSequence] = field(default_factory=list)
@@ -96,22 +101,41 @@ class BeamGroup:
         return [beam.request_id for beam in self.beams]
 
     @property
+    def sampling_ids(self) -> list[str]:
+        """The requests whose rows a step of the group samples: a live
+        group's members, else the beams' requests (the root's, fork
+        members')."""
+        return self.members if self.phase is Phase.LIVE else self.member_ids
+
+    @property
     def beam_ids(self) -> list[str]:
         """Requests whose KV the group may hold: last step's and this step's."""
         return self.previous + self.member_ids
 
-    def plan(self) -> GroupStep:
-        """This step as the worker runs it next to the logits (:mod:`.plan`)."""
+    def plan(self, blocks: list[list[list[int]]] | None = None) -> GroupStep:
+        """This step as the workers run it next to the logits (:mod:`.plan`):
+        a root's, a live group's first (its beams' state) or a later one;
+        ``blocks``: the members' private blocks, per KV-cache group."""
         config = self.config
         ends = config.eos_token_id is not None and not config.ignore_eos
-        return GroupStep(
-            group_id=self.root_id,
-            member_ids=self.member_ids,
-            cum_logprobs=[beam.seq.cum_logprob for beam in self.beams],
-            nodes=[beam.node for beam in self.beams] if config.sid_catalog else None,
+        rule = dict(
             width=config.width,
             eos=config.eos_token_id if ends and config.eos_token_id is not None else -1,
             row_size=config.row_size,
+            catalog=config.sid_catalog,
+        )
+        if self.phase is Phase.LIVE and self.started:
+            return GroupStep(self.root_id, "step", self.members, blocks=blocks, **rule)
+        members = self.members if self.phase is Phase.LIVE else [self.root_id]
+        return GroupStep(
+            self.root_id,
+            "start" if self.phase is Phase.LIVE else "root",
+            members,
+            carriers=[members.index(beam.request_id) for beam in self.beams],
+            cum_logprobs=[beam.seq.cum_logprob for beam in self.beams],
+            nodes=[beam.node for beam in self.beams] if config.sid_catalog else None,
+            blocks=blocks,
+            **rule,  # type: ignore[arg-type]
         )
 
     def result_of(self, final: list[BeamSearchSequence]) -> BeamResult:
@@ -158,7 +182,8 @@ def member_request(
     sampling = copy.copy(root.sampling_params)
     sampling.extra_args = {PARENT: parent_id, **extra_args}
     if group.phase is Phase.LIVE:
-        sampling.max_tokens = group.config.max_tokens + 1
+        # Tokens 2 .. max_tokens: the member ends with its group's last step.
+        sampling.max_tokens = group.config.max_tokens - 1
         sampling.logprobs = None
         never_stop(sampling)
     else:
@@ -174,6 +199,10 @@ def member_request(
         priority=root.priority,
     )
     # Every beam starts with the root's prompt: reuse its full-block
-    # hashes and hash only the blocks past them.
-    share_block_hashes(request, root, root.num_prompt_tokens // hash_block_size)
+    # hashes and hash only the blocks past them. A live member's blocks past
+    # them change content under it (it takes other beams' KV): hashes no
+    # other request can have keep them out of everyone's prefix-cache hits.
+    num_shared = root.num_prompt_tokens // hash_block_size
+    private = hash_block_size if group.phase is Phase.LIVE else None
+    share_block_hashes(request, root, num_shared, private)
     return request

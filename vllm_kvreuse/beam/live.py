@@ -1,31 +1,35 @@
-"""Live beams: one engine request per beam for the whole search.
+"""Live beams: one engine request per place for the whole search.
 
-After the group's first step (its members are spawned as children of the
-root), a member request is never finished by a step. Each step runs next
-to the logits (:mod:`.worker`): the worker picks the next beams and which
-member carries each (:func:`vllm_kvreuse.beam.select.carriers`), and sets
-each carrier's sampled token to its beam's token. The scheduler then
-*re-seats* (:mod:`vllm_kvreuse.core.reseat`) each member whose beam moved:
+After the root's step a live group spawns ``width`` members, children of
+the root (its full blocks by reference, its partial tail copy-on-write),
+and keeps them to its last step: each carries one beam, or none while the
+group has fewer beams than places. A member never finishes with a step.
 
-- a parent's first child keeps the parent's request: its KV stays where it
-  is, and its sampled token already is the child's;
-- every further child takes the request of a parent that has no child
-  (a *spare*): the parent's full blocks by reference, its partial tail
-  copy-on-write, all copies of a step in one batch;
-- spares left over are aborted (fewer beams: a narrow catalog prefix);
-- a child with no spare left (more beams than members) is forked the old
-  way: its parent is held in the ledger and a new member is spawned.
+Each step runs next to the logits (:mod:`.worker`) and the workers apply
+it themselves: they keep the group's beams (which member carries which,
+the scores, the trie nodes), pick the next beams, give each to a member
+(a parent's first child stays on the parent's member; every other child
+takes a *spare*, a member whose beam has no child, then an idle one), set
+each carrier's sampled token to its beam's token, and copy a moved beam's
+parent's private KV blocks (past the prompt's full blocks, which all share)
+into the member that takes it. So the next step needs nothing from the
+scheduler and runs at once, with async scheduling too: a group advances
+one token per engine step. The scheduler's requests follow when the result
+comes (:meth:`LiveSteps.apply`: a moved member's token history becomes its
+new parent's); block tables never change, and a member's blocks past the
+prompt hash privately (never a prefix-cache hit for anyone), since their
+content changes when the member moves.
 
-A group's step needs every member's row in one batch. So before each
-``schedule()`` the members of a group that cannot step whole sit out
-(:func:`to_hold`): its last step's result is not in yet (async
-scheduling), or a member is not ready (waiting, or still recomputing after
-a preemption; a recompute stops one token short, :func:`cap`). A member
-that runs anyway outside a group step (upstream cut the batch) has that
-sample taken back when its output comes (``BeamGroup.outside``).
+A step needs every member's row in one batch. Before each ``schedule()``
+the ready members of a group sit out while a sibling is not ready (still
+recomputing after a preemption, which stops one token short, :func:`cap`,
+so that its last token runs with its siblings'), or while samples made
+outside a group step are in flight. A member that upstream's loop runs
+anyway outside a group step (a preemption inside ``schedule()`` cut the
+batch) has that sample taken back when its output comes
+(:meth:`LiveSteps.rewind`).
 
-This module only decides; :mod:`vllm_kvreuse.core.upstream` and
-:mod:`vllm_kvreuse.core.reseat` apply it to upstream's state.
+This module decides, and applies through :mod:`vllm_kvreuse.core.upstream`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_kvreuse.beam.plan import GroupResult
 from vllm_kvreuse.beam.policy import Beam, Step
 from vllm_kvreuse.core.reseat import Move
 
@@ -84,14 +89,16 @@ def ready(request: Request | None) -> bool:
 
 def to_hold(upstream: Upstream, groups: Iterable[BeamGroup]) -> list[Request]:
     """The running members of every live group that cannot step whole this
-    ``schedule()`` (all of them while a step is in flight, else those
-    ready while a sibling is not: a sibling still recomputing runs), in
-    queue order: they sit out (:meth:`Upstream.hold`), keeping their seats."""
+    ``schedule()`` (all of them while samples made outside a group step are
+    in flight, else those ready while a sibling is not: a sibling still
+    recomputing runs), in queue order: they sit out
+    (:meth:`Upstream.hold`), keeping their seats. A step in flight holds
+    nobody: the workers apply it before they run the next."""
     requests = upstream.requests
     blocked: set[str] = set()
     for group in groups:
-        members = group.member_ids
-        if group.in_flight or group.outside:
+        members = group.members
+        if group.outside:
             blocked.update(members)
             continue
         ready_ones = [rid for rid in members if ready(requests.get(rid))]
@@ -119,7 +126,7 @@ def stalled(
     a sibling waits (for blocks or a seat they may hold); empty when every
     member runs. Members the step scheduled are never named: their step
     runs."""
-    members = [requests.get(rid) for rid in group.member_ids]
+    members = [requests.get(rid) for rid in group.members]
     if all(r is not None and r.status == RequestStatus.RUNNING for r in members):
         return []
     return [
@@ -130,60 +137,87 @@ def stalled(
 
 
 class LiveSteps:
-    """The step strategy of live groups: spawns the members once, then
-    re-seats them onto the beams the worker chose."""
+    """The step strategy of live groups: spawns ``width`` members once;
+    each step the workers put the next beams on them (:mod:`.worker`), and
+    the scheduler's requests follow."""
 
     def __init__(self, core: Core, members: Members) -> None:
         self.core = core
         self._members = members
+        self.num_moved = 0  # members that took another beam (KV copied)
 
     def start(self, group: BeamGroup, step: Step, nodes: list[int]) -> list[Beam]:
-        """The first beams (from the root's step) as new live members."""
-        return [
-            Beam(seq, self._members.spawn(group, seq.tokens, pid, i, {}),
-                 nodes[i] if nodes else 0)
-            for i, (seq, pid) in enumerate(step.beams)
-        ]  # fmt: skip
+        """The group's ``width`` members, children of the root: member ``i``
+        carries first beam ``i``; the others (fewer beams than places: a
+        narrow catalog prefix) carry none yet, on beam 0's tokens."""
+        beams = []
+        for i in range(group.config.width):
+            seq, pid = step.beams[min(i, len(step.beams) - 1)]
+            rid = self._members.spawn(group, seq.tokens, pid, i, {})
+            group.members.append(rid)
+            if i < len(step.beams):
+                beams.append(Beam(seq, rid, nodes[i] if nodes else 0))
+        return beams
+
+    def snapshot(
+        self, group: BeamGroup, result: GroupResult
+    ) -> dict[int, tuple[int, list[int] | None]]:
+        """Read before the step's tokens are appended, for each member that
+        carries a next beam: its token count, and, moved onto another beam,
+        its new parent's tokens past the root's prompt."""
+        requests = self.core.scheduler.requests
+        start = group.prompt_len
+        snapshots: dict[int, tuple[int, list[int] | None]] = {}
+        for parent, carrier in zip(result.parents, result.carriers, strict=True):
+            source = requests.get(group.beams[parent].request_id)
+            member = requests.get(group.members[carrier])
+            if source is None or member is None:
+                continue  # finished with the group's last step, or aborted
+            moved = member is not source
+            history = self.core.upstream.history(source, start) if moved else None
+            snapshots[carrier] = (member.num_tokens, history)
+        return snapshots
 
     def apply(
-        self, group: BeamGroup, step: Step, nodes: list[int], carried_by: list[int]
+        self, group: BeamGroup, step: Step, nodes: list[int], carriers: list[int]
     ) -> list[Beam]:
-        """Carries the next beams on the members the worker chose: a
-        parent's first child stays, others move onto a spare, beyond the
-        spares new members fork; unused members are aborted."""
+        """The next beams, on the members the worker put them on: a moved
+        member takes its parent's history (the worker copied its KV), every
+        carrier its beam's token (the worker sampled it)."""
         requests = self.core.scheduler.requests
-        reseats = self.core.reseats
-        members = group.member_ids
-        pairs = list(zip(carried_by, step.beams, strict=True))
-        moved = {c for c, (_, pid) in pairs if c >= 0 and members[c] != pid}
-        # Every seat is read before any member changes.
-        seats = {
-            pid: reseats.seat_of(requests[pid]) for c, (_, pid) in pairs if c in moved
-        }
-        moves: list[Move] = []
-        next_beams: list[Beam] = []
-        for i, (c, (seq, pid)) in enumerate(pairs):
-            token = seq.tokens[-1]
-            if c < 0:  # more beams than members: fork
-                if pid not in self.core.ledger:
-                    self.core.ledger.hold(requests[pid], OWNER)
-                rid = self._members.spawn(group, seq.tokens, pid, i, {})
-            else:
-                request = requests[members[c]]
-                if c in moved:
-                    moves.append(Move(request, seats[pid], token))
-                    group.num_forks += 1
-                elif request.all_token_ids[-1] != token:
-                    moves.append(Move(request, None, token))
-                rid = request.request_id
-            next_beams.append(Beam(seq, rid, nodes[i] if nodes else 0))
-        copied = reseats.num_copied_blocks
-        reseats.move(moves)
-        group.num_copied_blocks += reseats.num_copied_blocks - copied
-        spares = set(members) - {beam.request_id for beam in next_beams}
-        self._members.forget(spares)  # fewer beams than members
-        self.core.abort(spares)
-        return next_beams
+        snapshots, group.snapshots = group.snapshots, {}
+        beams = []
+        pairs = zip(step.beams, carriers, strict=True)
+        for i, ((seq, _), carrier) in enumerate(pairs):
+            if carrier < 0:
+                raise RuntimeError("a beam with no member to carry it")
+            member = requests.get(group.members[carrier])
+            if member is not None and carrier in snapshots:
+                length, history = snapshots[carrier]
+                self.core.upstream.adopt(
+                    member, group.prompt_len, length, history, seq.tokens[-1]
+                )
+                group.num_forks += history is not None
+                self.num_moved += history is not None
+            beams.append(Beam(seq, group.members[carrier], nodes[i] if nodes else 0))
+        return beams
+
+    def private_blocks(self, group: BeamGroup) -> list[list[list[int]]]:
+        """Each member's blocks past the prefix all members share, up to the
+        last one the step writes, per KV-cache group (the workers copy a
+        parent's into the member that takes its child)."""
+        upstream = self.core.upstream
+        requests = self.core.scheduler.requests
+        size = upstream.block_size
+        shared = group.prompt_len // size
+        end = -(-requests[group.members[0]].num_computed_tokens // size)
+        tables = [upstream.block_ids_of(rid) for rid in group.members]
+        blocks = [[t[g][shared:end] for t in tables] for g in range(len(tables[0]))]
+        lengths = {len(ids) for per_group in blocks for ids in per_group}
+        assert lengths == {end - shared}, (
+            f"beam group {group.root_id}: members' tables differ in length"
+        )
+        return blocks
 
     def rewind(self, request_id: str) -> None:
         """Takes back a member's sample made outside a group step: the token,
@@ -202,18 +236,18 @@ def stepping(
     requests: Mapping[str, Request],
 ) -> list[BeamGroup]:  # fmt: skip
     """The root and live groups whose step a scheduler output runs whole
-    (every beam's row samples); members it runs outside a group step are
-    noted in their group (``BeamGroup.outside``)."""
+    (every beam's row samples); members that it runs outside a group step
+    are added to their group's ``outside`` (their samples of this output
+    are taken back when it comes: ``EngineBeamSearch.on_model_output``)."""
     whole = []
     for group in groups:
         samples = [
             rid in scheduled and not requests[rid].is_prefill_chunk
-            for rid in group.member_ids
+            for rid in group.sampling_ids
         ]
         if all(samples):
-            group.in_flight += 1
             whole.append(group)
         else:
-            ran = zip(group.member_ids, samples, strict=True)
+            ran = zip(group.sampling_ids, samples, strict=True)
             group.outside.update(rid for rid, on in ran if on)
     return whole

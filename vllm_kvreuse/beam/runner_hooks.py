@@ -19,7 +19,10 @@ runner wrappers put the job's packed results on the step's
 With async scheduling the runner returns an async output: the results are
 put on the ``ModelRunnerOutput`` it wraps (V1 ``_model_runner_output``, V2
 ``model_runner_output``), and their copy off the device was queued before
-the runner's own output copy, which the output waits for.
+the runner's own output copy, which the output waits for. A live group's
+beams stay on the runner between steps (``kvreuse_beam_states``), and the
+job copies KV blocks through the runner's caches (``kv_caches``,
+``kv_cache_config``).
 
 Every runner attribute read here is registered per vLLM release in
 :data:`vllm_kvreuse.patches.runner_state.RUNNER_STATE`
@@ -32,12 +35,15 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvreuse.beam.plan import GroupStep, put_results, steps_of
-from vllm_kvreuse.beam.worker import BeamJob
+from vllm_kvreuse.beam.worker import BeamJob, BlockCopier
+from vllm_kvreuse.device.block_copy import copy_blocks_indexed
 
 JOB_ATTR = "kvreuse_beam_job"
 """Sampler attribute: the step's :class:`BeamJob` while the runner samples."""
 STEPS_ATTR = "kvreuse_beam_steps"
 """V2 runner attribute: the groups of the step being run."""
+STATES_ATTR = "kvreuse_beam_states"
+"""Runner attribute: its live groups' beams (``GroupState`` by group id)."""
 
 
 def _catalog_of(runner: Any) -> Callable[[], Any]:
@@ -49,6 +55,16 @@ def _catalog_of(runner: Any) -> Callable[[], Any]:
     return load
 
 
+def _block_copier(runner: Any) -> BlockCopier:
+    """Copies blocks in every layer of the runner's KV caches."""
+
+    def copy(src: Any, dst: Any) -> None:
+        num_blocks = runner.kv_cache_config.num_blocks
+        copy_blocks_indexed(runner.kv_caches, num_blocks, src, dst)
+
+    return copy
+
+
 def _run_sampling(
     runner: Any,
     original: Callable[..., Any],
@@ -58,7 +74,8 @@ def _run_sampling(
 ) -> Any:
     """Runs upstream's ``sample_tokens`` with a job on the runner's sampler
     and puts the job's results on its output."""
-    job = BeamJob(steps, _catalog_of(runner), row_of)
+    states = vars(runner).setdefault(STATES_ATTR, {})
+    job = BeamJob(steps, states, _catalog_of(runner), row_of, _block_copier(runner))
     sampler = runner.sampler
     vars(sampler)[JOB_ATTR] = job
     try:

@@ -217,10 +217,13 @@ def select_plain(
     rule: Rule,
     sampled: torch.Tensor | None = None,
     fixed: bool | None = None,
+    alive: torch.Tensor | None = None,
 ) -> Selection:
     """A step over whole vocabulary rows ``logits [B, V]`` (``cum [B]``
-    float64). ``fixed``: fixed shapes (default: on every device but CPU)."""
-    logprobs = logprobs_of(logits)
+    float64). ``fixed``: fixed shapes (default: on every device but CPU).
+    ``alive [B]``: rows that carry a beam (default all); the others offer
+    nothing and never end."""
+    logprobs = _alive_rows(logprobs_of(logits), alive)
     if fixed is None:
         fixed = logits.device.type != "cpu"
     if fixed:
@@ -244,6 +247,7 @@ def select_catalog(
     rule: Rule,
     children: torch.Tensor,
     at_leaf: torch.Tensor,
+    alive: torch.Tensor | None = None,
 ) -> Selection:
     """A step of a catalog group: ``children [B, M]`` each beam's legal
     next tokens (-1: none; :meth:`SidCatalog.legal`), ``at_leaf [B]``.
@@ -251,7 +255,9 @@ def select_catalog(
     Log-probs are the whole row's (not renormalised inside the catalog);
     only the legal tokens' are ranked, ``B x M`` candidates."""
     num_rows = len(cum)
-    logprobs = logprobs_of(logits)
+    logprobs = _alive_rows(logprobs_of(logits), alive)
+    if alive is not None:
+        at_leaf = at_leaf & alive
     legal = children >= 0
     lp = logprobs.gather(1, children.clamp(min=0)).masked_fill_(~legal, float("-inf"))
     beams = torch.arange(num_rows, device=logits.device)[:, None].expand_as(children)
@@ -270,6 +276,13 @@ def select_catalog(
     return Selection(
         beams, tokens, scores, valid, eos_done, cum + eos_lp.double(), leaf_done
     )
+
+
+def _alive_rows(logprobs: torch.Tensor, alive: torch.Tensor | None) -> torch.Tensor:
+    """``logprobs`` with the rows of no beam at -inf: no candidate, no EOS."""
+    if alive is None:
+        return logprobs
+    return logprobs.masked_fill_(~alive[:, None], float("-inf"))
 
 
 def carriers(

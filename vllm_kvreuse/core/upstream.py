@@ -26,8 +26,9 @@ Invariants (ownership, as upstream keeps it):
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
@@ -176,6 +177,45 @@ class Upstream:
         if sampling_params is not None:
             request.sampling_params = sampling_params
 
+    @staticmethod
+    def history(request: Request, start: int) -> list[int]:
+        """A copy of the request's tokens from ``start`` on."""
+        return request._all_token_ids[start:]
+
+    @staticmethod
+    def adopt(
+        request: Request,
+        start: int,
+        length: int,
+        history: list[int] | None,
+        token: int,
+    ) -> None:
+        """Makes the request's tokens ``start .. length`` ``history`` (another
+        request's; None: its own stay), and the token at ``length``
+        ``token``: the sample the step appended, appended here if upstream
+        dropped it (a preempted request's output in flight, dropped by a
+        cache reset). Prompt and output lists are rewritten where each
+        holds those positions; computed counts, blocks and hashes stay (the
+        workers copied the KV; blocks past ``start`` hash privately)."""
+        tokens = request._all_token_ids
+        assert len(tokens) >= length, "a step's token count went back"
+        num_prompt = request.num_prompt_tokens
+        if history is not None:
+            assert len(history) == length - start, "histories of two lengths"
+            tokens[start:length] = history
+            prompt = request.prompt_token_ids
+            if prompt is not None and num_prompt > start:
+                prompt[start:num_prompt] = history[: num_prompt - start]
+            first = max(num_prompt, start)
+            request._output_token_ids[first - num_prompt : length - num_prompt] = (
+                history[first - start :]
+            )
+        if len(tokens) == length:
+            request.append_output_token_ids(token)
+        elif tokens[length] != token:
+            tokens[length] = token
+            request._output_token_ids[length - num_prompt] = token
+
     def unsample(self, request: Request) -> None:
         """Takes back the request's last sampled token and the hash of a
         block it completed: it will compute that position again."""
@@ -307,13 +347,32 @@ def never_stop(sampling: SamplingParams) -> None:
     sampling._all_stop_token_ids = set()
 
 
-def share_block_hashes(request: Request, root: Request, num_hashes: int) -> None:
+def share_block_hashes(
+    request: Request,
+    root: Request,
+    num_hashes: int,
+    private_block_size: int | None = None,
+) -> None:
     """Gives ``request`` ``root``'s first ``num_hashes`` block hashes and
     hasher, then hashes its blocks past them (hashes chain, so the hasher
-    continues from the last one)."""
+    continues from the last one). With ``private_block_size`` (the hash
+    block size) every later block gets a random hash instead, which no
+    request's lookup can match: its content may change while it is cached."""
     request.block_hashes = root.block_hashes[:num_hashes]
-    request._block_hasher = root._block_hasher
+    if private_block_size is None:
+        request._block_hasher = root._block_hasher
+    else:
+        request._block_hasher = _private_hasher(private_block_size)
     request.update_block_hashes()
+
+
+def _private_hasher(hash_block_size: int) -> Callable[[Request], list[Any]]:
+    def hasher(request: Request) -> list[Any]:
+        """Random hashes for the request's full blocks that have none yet."""
+        blocks = request.num_tokens // hash_block_size
+        return [os.urandom(32) for _ in range(blocks - len(request.block_hashes))]
+
+    return hasher
 
 
 def api_process_count(parallel_config: Any) -> int:

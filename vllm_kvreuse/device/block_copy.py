@@ -93,3 +93,38 @@ def copy_cpu_blocks(
         for src, dst in pairs:
             blocks[dst].copy_(blocks[src])
     return rest
+
+
+def copy_blocks_indexed(
+    kv_caches: Iterable[Any], num_blocks: int, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Copies block ``src[i]`` to ``dst[i]`` (scheduler block ids, tensors on
+    the caches' device) in every layer: a beam moved onto another beam's
+    member takes its parent's private KV (:mod:`vllm_kvreuse.beam.worker`).
+
+    Every source is read before any destination is written (a gather, then a
+    scatter); no host sync on an accelerator, so destinations may repeat
+    when they repeat their source's value (a block copied onto itself). On
+    CPU, one ``copy_`` per block (see :func:`copy_cpu_blocks`); there the
+    caller passes only real moves, and no destination is a source.
+    """
+    if not len(src):
+        return
+    seen: set[int] = set()
+    pairs: list[tuple[int, int]] | None = None
+    for tensor in layer_tensors(kv_caches):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        per_block, remainder = divmod(tensor.shape[0], num_blocks)
+        assert remainder == 0, (
+            f"{tensor.shape[0]} kernel blocks not divisible by {num_blocks} blocks"
+        )
+        blocks = tensor.unflatten(0, (num_blocks, per_block))
+        if tensor.device.type == "cpu":
+            if pairs is None:
+                pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
+            for s, d in pairs:
+                blocks[d].copy_(blocks[s])
+        else:
+            blocks[dst] = blocks[src.to(tensor.device)]

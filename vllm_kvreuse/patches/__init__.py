@@ -15,7 +15,10 @@ would let us delete it.
 - ``upstream_state.py``: not patches: the upstream internal attributes the
   plugin's one seam (:mod:`vllm_kvreuse.core.upstream`) reads or changes,
   each checked per release on real objects
-  (``tests/unit/test_upstream_state.py``).
+  (``tests/unit/test_upstream_state.py``);
+- ``runner_state.py``: not patches either: the model-runner attributes the
+  beam step reads (:mod:`vllm_kvreuse.beam.runner_hooks`), checked on live
+  workers of each runner (``tests/integration/test_runner_tier.py``).
 
 Rules:
 - A patch wraps the original (kept as ``__wrapped__``) and calls it; none

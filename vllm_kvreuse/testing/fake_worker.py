@@ -4,12 +4,15 @@ Tests only. Scheduler tests run a real scheduler without an engine; this
 module plays the model runner's part for a step: each request that
 samples draws a fixed token, and each beam group the step names
 (:mod:`vllm_kvreuse.beam.plan`) runs through the real worker code
-(:class:`~vllm_kvreuse.beam.worker.BeamJob`) on made-up logits that depend
-only on the request's last known token, so beams diverge and EOS can win.
+(:class:`~vllm_kvreuse.beam.worker.BeamJob`, its live groups kept per
+scheduler as a runner keeps them; no KV, so nothing is copied) on made-up
+logits that depend only on the request's last known token, so beams
+diverge and EOS can win.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +20,12 @@ import torch
 from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_kvreuse.beam.plan import put_results, steps_of
-from vllm_kvreuse.beam.worker import BeamJob
+from vllm_kvreuse.beam.worker import BeamJob, GroupState
+
+_STATES: weakref.WeakKeyDictionary[Any, dict[str, GroupState]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each scheduler's stand-in worker's live groups (the runner keeps them)."""
 
 
 def made_up_logits(
@@ -57,7 +65,8 @@ def model_output(
     results: dict[str, Any] = {}
     steps = steps_of(output)
     if steps:
-        job = BeamJob(steps, lambda: _catalog(scheduler), index)
+        states = _STATES.setdefault(scheduler, {})
+        job = BeamJob(steps, states, lambda: _catalog(scheduler), index)
         job.prepare(rows)
         job.finish(sampled)
         results = job.results
