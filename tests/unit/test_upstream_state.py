@@ -27,7 +27,7 @@ HOOKS = PACKAGE / "beam" / "runner_hooks.py"
 CHECKED = [
     *sorted(p for p in (PACKAGE / "beam").glob("*.py") if p != HOOKS),
     *sorted((PACKAGE / "continuation").glob("*.py")),
-    *(PACKAGE / "core" / f"{name}.py" for name in ("context", "ledger", "reseat")),
+    *(PACKAGE / "core" / f"{name}.py" for name in ("context", "ledger", "resend")),
 ]
 """Modules that must reach upstream's internal state through the seam."""
 

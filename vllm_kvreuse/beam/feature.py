@@ -308,7 +308,7 @@ class EngineBeamSearch(Feature):
         return True
 
     def _advance(self, group: BeamGroup) -> None:
-        """Applies a step: spawns or re-seats the next beams, or ends the group."""
+        """Applies a step: spawns or moves the next beams, or ends the group."""
         if group.root_id not in self._groups:
             return  # dropped meanwhile
         config, result = group.config, group.result

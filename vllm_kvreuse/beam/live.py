@@ -41,7 +41,6 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.beam.plan import GroupResult
 from vllm_kvreuse.beam.policy import Beam, Step
-from vllm_kvreuse.core.reseat import Move
 
 if TYPE_CHECKING:
     from vllm_kvreuse.beam.group import BeamGroup
@@ -197,8 +196,12 @@ class LiveSteps:
                 self.core.upstream.adopt(
                     member, group.prompt_len, length, history, seq.tokens[-1]
                 )
-                group.num_forks += history is not None
-                self.num_moved += history is not None
+                if history is not None:  # its private blocks were copied
+                    size = self.core.block_size
+                    private = -(-length // size) - group.prompt_len // size
+                    group.num_forks += 1
+                    group.num_copied_blocks += private
+                    self.num_moved += 1
             beams.append(Beam(seq, group.members[carrier], nodes[i] if nodes else 0))
         return beams
 
@@ -224,11 +227,8 @@ class LiveSteps:
         and (running) the position that computed it, which its next group
         step computes again; the workers get the member whole."""
         request = self.core.scheduler.requests.get(request_id)
-        if request is None:
-            return
-        self.core.upstream.unsample(request)
-        if request.status == RequestStatus.RUNNING:
-            self.core.reseats.move([Move(request, None, request.all_token_ids[-1])])
+        if request is not None:
+            self.core.resends.rewind(request)
 
 
 def stepping(

@@ -11,12 +11,13 @@ def count_beam_group(
     counter("beam_groups", "Beam searches run inside the engine.").inc()
     counter(
         "beam_forks",
-        "Beams moved onto a parent beam's KV blocks: new member requests, and "
-        "live members re-seated onto another beam (engine beam search).",
+        "Beams put on a parent beam's KV: new member requests, and live "
+        "members that took another beam's KV (engine beam search).",
     ).inc(num_forks)
     counter(
         "beam_copied_blocks",
-        "Partial tail blocks copied (copy-on-write) when forking beams.",
+        "KV blocks copied when forking beams: members' copy-on-write tails, "
+        "and a moved member's private blocks (engine beam search).",
     ).inc(num_copied_blocks)
     counter(
         "beam_computed_prompt_tokens",

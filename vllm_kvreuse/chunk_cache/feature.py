@@ -22,7 +22,7 @@ lengths of its chunks (every segment but the question). On arrival:
    past the next region, which the connector loads in that same step. Each
    span is a contiguous prefill of vLLM's own, with exact causality, on
    every backend and both runners; the moved request is sent to its workers
-   whole (``core.reseats.resend``: both runners take a known request's new
+   whole (``core.resends.resend``: both runners take a known request's new
    state from ``scheduled_new_reqs``).
 
 If room cannot be reserved (a chunk larger than the store, or a store full
@@ -185,7 +185,7 @@ class ChunkCache(Feature):
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             if self.side.advance(request):
-                self.core.reseats.resend(request_id)
+                self.core.resends.resend(request_id)
 
     def _plan_again(self, request: Request) -> None:
         """Re-pins ``request``'s chunks and re-fills the missing ones; with no

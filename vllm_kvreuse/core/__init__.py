@@ -11,7 +11,7 @@
 - :mod:`.context`: what every feature receives: the scheduler, the services.
 - :mod:`.ledger`: blocks held past their request's life, and inheritance.
 - :mod:`.internal`: requests the plugin adds for itself.
-- :mod:`.reseat`: re-seating running requests onto other requests' KV.
+- :mod:`.resend`: running requests sent whole to the workers again.
 - :mod:`.upstream`: the one seam to vLLM's internal scheduler, KV-manager
   and request state (each attribute registered per vLLM release).
 - :mod:`.request_keys`: the ``extra_args`` keys read across packages.

@@ -5,8 +5,8 @@ Between steps, for every block of the pool but the null block:
     ref_cnt == (live requests whose block table holds it)
              + (ledger entries holding it)
              + (deferred frees waiting for an in-flight step)
-             + (copy-on-write endpoints queued for the next step's copies:
-                a re-seat between steps queues them, ``schedule()`` drains)
+             + (copy-on-write endpoints upstream queued for the next step's
+                copies, which its ``schedule()`` drains)
 
 and the free queue holds exactly the blocks whose count is zero. So free +
 held + live covers the pool, and nothing is held by nobody (a leak) or freed

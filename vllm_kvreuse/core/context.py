@@ -21,7 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.internal import InternalRequests
 from vllm_kvreuse.core.ledger import BlockLedger
-from vllm_kvreuse.core.reseat import Reseats
+from vllm_kvreuse.core.resend import Resends
 from vllm_kvreuse.core.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class Core:
 
     - ``ledger``: blocks held past their request's life;
     - ``internal``: requests the plugin spawns;
-    - ``reseats``: running requests moved onto other requests' KV;
+    - ``resends``: running requests sent whole to the workers again;
     - ``upstream``: the one seam to upstream's internal state;
     - :meth:`emit`: outputs the engine itself finishes requests with
       (rejections, errors, beam results), delivered with the next step's;
@@ -51,7 +51,7 @@ class Core:
         self.upstream = Upstream(scheduler)
         self.ledger = BlockLedger(self.upstream)
         self.internal = InternalRequests(scheduler.add_upstream)
-        self.reseats = Reseats(self.upstream)
+        self.resends = Resends(self.upstream)
         self._emitted: list[tuple[int, EngineCoreOutput]] = []
         self._failed: dict[str, str] = {}
         self.client_salts: dict[str, str | None] = {}
@@ -66,14 +66,12 @@ class Core:
         return self.scheduler.block_size
 
     def has_work(self) -> bool:
-        """Outputs or failures still to deliver, a release to publish, or
-        re-seat copies whose retained blocks one more step frees."""
+        """Outputs or failures still to deliver, or a release to publish."""
         return bool(
             self._emitted
             or self._failed
             or self._aborts
             or self.ledger.released_since_step
-            or self.reseats.copies_queued()
         )
 
     def emit(self, client_index: int, output: EngineCoreOutput) -> None:

@@ -94,7 +94,7 @@ class KVReuseLayer(Scheduler):
         self._each_for(request, "on_finish")
         self.kvreuse.client_salts.pop(request.request_id, None)
         self.kvreuse.internal.retire(request.request_id)
-        self.kvreuse.reseats.forget(request.request_id)
+        self.kvreuse.resends.forget(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
     def _free_blocks(self, request: Request) -> None:
@@ -167,7 +167,7 @@ class KVReuseLayer(Scheduler):
         core.ledger.released_since_step = False
         self._each("before_schedule")
         output = super().schedule(*args, **kwargs)
-        core.reseats.deliver(output)
+        core.resends.deliver(output)
         self._each("after_schedule", output)
         if self._under_pressure(output):
             self._each("release_under_pressure")
@@ -193,8 +193,6 @@ class KVReuseLayer(Scheduler):
         self, reset_running_requests: bool = False, *args: Any, **kwargs: Any
     ) -> bool:
         self._each("reset_cache")
-        if reset_running_requests:  # every request recomputes its KV
-            self.kvreuse.reseats.cancel_copies()
         return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
 
     # -- plumbing --------------------------------------------------------------

@@ -5,7 +5,7 @@ scheduler-output state that beams and continuations need, beyond what a
 public upstream method does for them, is made here: the block tables and
 their copy-on-write queue, the running and waiting queues and the seat
 limits, a request's private token lists, the step output's parallel lists.
-The services (:mod:`.reseat`, :mod:`.ledger`) and the features call these
+The services (:mod:`.resend`, :mod:`.ledger`) and the features call these
 methods; they decide, this module applies.
 
 Each upstream attribute touched here is registered per vLLM release in
@@ -89,70 +89,12 @@ class Upstream:
 
     # -- block tables --------------------------------------------------------------
 
-    @property
-    def num_groups(self) -> int:
-        """KV-cache groups: one block table per group and request."""
-        return len(self._managers)
-
     def blocks_of(self, request_id: str) -> tuple[list[Any], ...]:
         """The request's block table in each group (upstream's lists)."""
         return self._manager.get_blocks(request_id).blocks
 
     def block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
         return self._manager.get_block_ids(request_id)
-
-    def table(self, request_id: str, num_blocks: int) -> tuple[list[Any], ...]:
-        """Copies of the first ``num_blocks`` of each group's table."""
-        return tuple(
-            list(m.req_to_blocks[request_id][:num_blocks]) for m in self._managers
-        )
-
-    def num_cached(self, request_id: str, num_blocks: int) -> tuple[int, ...]:
-        """Per group, how many of those blocks are in the prefix cache."""
-        return tuple(
-            min(m.num_cached_block.get(request_id, 0), num_blocks)
-            for m in self._managers
-        )
-
-    def drop_tables(self, request_id: str) -> None:
-        """Empties the request's tables, dropping their references tail first."""
-        for manager in self._managers:
-            old = manager.req_to_blocks.pop(request_id, [])
-            manager.num_cached_block.pop(request_id, None)
-            self._pool.free_blocks(reversed(old))
-
-    def set_table(
-        self, group: int, request_id: str, table: list[Any], num_cached: int
-    ) -> None:
-        """Installs ``table`` (whose references the caller has taken) as the
-        request's table in KV-cache group ``group``."""
-        manager = self._managers[group]
-        manager.req_to_blocks[request_id] = table
-        manager.num_cached_block[request_id] = num_cached
-
-    def copy_tail(self, group: int, source: Any) -> Any:
-        """A new block that the workers fill with ``source``'s KV before the
-        next forward pass, as ``SingleTypeKVCacheManager._apply_cow`` queues
-        one: the copy's own reference goes to the caller's table, one more on
-        it and the caller's extra one on ``source`` are dropped by upstream
-        (``_free_cow_retained_blocks``) once the copy has run."""
-        manager = self._managers[group]
-        (copy,) = self._pool.get_new_blocks(1)
-        copy.ref_cnt += 1  # retained until the copy has run
-        manager._pending_cow_copies.append((source, copy))
-        if manager.records_new_block_ids:
-            manager.new_block_ids.append(copy.block_id)
-        return copy
-
-    def copies_queued(self) -> bool:
-        """Tail copies wait for the next ``schedule()``."""
-        return any(m._pending_cow_copies for m in self._managers)
-
-    def cancel_copies(self) -> None:
-        """Drops the queued tail copies and their endpoints' extra references."""
-        for manager in self._managers:
-            pairs = manager.take_pending_cow_copies()
-            self._pool.free_blocks(block for pair in pairs for block in pair)
 
     # -- requests ------------------------------------------------------------------
 
@@ -223,11 +165,6 @@ class Upstream:
         if request._output_token_ids:
             request._output_token_ids.pop()
         del request.block_hashes[request.num_tokens // self.hash_block_size :]
-
-    @staticmethod
-    def in_flight(request: Request) -> bool:
-        """An output of the request's is still on its way (async scheduling)."""
-        return request.num_output_placeholders > 0
 
     # -- queues and seats ----------------------------------------------------------
 

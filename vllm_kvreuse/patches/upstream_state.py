@@ -46,7 +46,6 @@ _KVM = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 _COORD = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
 _SINGLE = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager"
 _POOL = "vllm.v1.core.block_pool:BlockPool"
-_BLOCK = "vllm.v1.core.kv_cache_utils:KVCacheBlock"
 _REQ = "vllm.v1.request:Request"
 _QUEUE = "vllm.v1.core.sched.request_queue:RequestQueue"
 _OUT = "vllm.v1.core.sched.output"
@@ -86,11 +85,14 @@ _QUEUES = (
         "(self, request: vllm.v1.request.Request, timestamp: float, "
         "drop_stale_output: bool = False) -> None",
     ),
-    _attr(f"{_SCHED}.requests", "a re-seated request is sent whole by id"),
+    _attr(
+        f"{_SCHED}.requests",
+        "a request whose workers' copy is stale is sent whole by id",
+    ),
     _attr(f"{_SCHED}.kv_cache_manager", "the block tables and the pool"),
     _attr(
         f"{_SCHED}.use_v2_model_runner",
-        "V2 workers need a re-seated request's whole token list in its NewRequestData",
+        "V2 workers need a resent request's whole token list in its NewRequestData",
     ),
     _attr(
         f"{_SCHED}.deferred_frees",
@@ -121,7 +123,7 @@ _KV = (
     ),
     _method(
         f"{_KVM}.get_block_ids",
-        "a re-seated request's NewRequestData",
+        "a resent request's NewRequestData; a live group's private blocks",
         "(self, request_id: str) -> tuple[list[int], ...]",
     ),
     _method(
@@ -130,23 +132,10 @@ _KV = (
         "(self, request: vllm.v1.request.Request) -> bool",
     ),
     _attr(f"{_COORD}.single_type_managers", "one block table per group"),
-    _attr(
-        f"{_SINGLE}.req_to_blocks", "a re-seat replaces a running request's block table"
-    ),
-    _attr(f"{_SINGLE}.num_cached_block", "and its count of cached blocks"),
+    _attr(f"{_SINGLE}.req_to_blocks", "block accounting: every table's references"),
     _attr(
         f"{_SINGLE}._pending_cow_copies",
-        "a re-seat queues its tail copy where _apply_cow does; schedule() drains it",
-    ),
-    _attr(
-        f"{_SINGLE}.records_new_block_ids",
-        "a queued copy's block is reported as new where upstream reports its own",
-    ),
-    _attr(f"{_SINGLE}.new_block_ids", "(the list it is reported in)"),
-    _method(
-        f"{_SINGLE}.take_pending_cow_copies",
-        "a full cache reset cancels queued re-seat copies",
-        f"(self) -> list[tuple[{_KV_BLOCK}, {_KV_BLOCK}]]",
+        "block accounting: upstream's queued copy-on-write endpoints",
     ),
     _method(
         f"{_POOL}.touch",
@@ -158,44 +147,31 @@ _KV = (
         "and drop it, tails first",
         f"(self, ordered_blocks: collections.abc.Iterable[{_KV_BLOCK}]) -> None",
     ),
-    _method(
-        f"{_POOL}.get_new_blocks",
-        "a re-seat's private tail copy",
-        f"(self, num_blocks: int) -> list[{_KV_BLOCK}]",
-    ),
-    _method(
-        f"{_POOL}.get_num_free_blocks", "steps and re-seats must fit", "(self) -> int"
-    ),
+    _method(f"{_POOL}.get_num_free_blocks", "a beam step must fit", "(self) -> int"),
     _attr(f"{_POOL}.num_gpu_blocks", "the retention budget is a fraction of the pool"),
-    _attr(
-        f"{_BLOCK}.ref_cnt",
-        "a queued copy's block keeps one more "
-        "reference until the copy has run, as _apply_cow does",
-    ),
 )
 
 _REQUESTS = (
     _attr(
         f"{_REQ}._all_token_ids",
-        "a re-seat rewrites a running "
-        "request's history; an unsampled member drops its last token",
+        "a live member takes another beam's "
+        "history; a rewound member drops its last token",
     ),
     _attr(f"{_REQ}._output_token_ids", "(as _all_token_ids)"),
     _attr(f"{_REQ}._block_hasher", "a beam member reuses the root's hasher"),
     _attr(
         f"{_REQ}.prompt_token_ids",
-        "a re-seat makes the history the prompt, as a streaming update does",
+        "a resent request's history is its prompt, as a streaming update leaves it",
     ),
     _attr(f"{_REQ}.num_prompt_tokens", "(as prompt_token_ids)"),
-    _attr(f"{_REQ}.num_computed_tokens", "a re-seat sets what has KV"),
-    _attr(f"{_REQ}.spec_token_ids", "a re-seat drops speculated tokens"),
+    _attr(
+        f"{_REQ}.num_computed_tokens",
+        "a rewound member computes its last position again",
+    ),
+    _attr(f"{_REQ}.spec_token_ids", "a resent request drops speculated tokens"),
     _attr(
         f"{_REQ}.block_hashes",
-        "a re-seat and a beam member take another request's hashes",
-    ),
-    _attr(
-        f"{_REQ}.num_output_placeholders",
-        "a member with an output in flight (async scheduling) must not run",
+        "a beam member takes the root's prompt hashes, a resent request its own cut",
     ),
     _method(
         f"{_REQ}.update_block_hashes",
@@ -218,7 +194,7 @@ _REQUESTS = (
 _OUTPUT = (
     _method(
         f"{_OUT}:CachedRequestData.__init__",
-        "a re-seated request "
+        "a resent request "
         "leaves the cached rows: each parallel list is rewritten by "
         "name, so a new field must be added there",
         "(self, req_ids: list[str], resumed_req_ids: set[str], "
