@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvreuse.device.base import DeviceOps, PagedKV, Rope, UnsupportedKVLayout
+from vllm_kvreuse.device.base import DeviceOps, PagedKV, UnsupportedKVLayout
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -184,14 +184,7 @@ class TritonOps(DeviceOps):
     """Elements (tokens x heads x head size) one program moves per side."""
     NUM_WARPS = 4
 
-    def __init__(
-        self,
-        layers: Sequence[PagedKV],
-        rope: Rope | None,
-        *,
-        block_size: int | None = None,
-    ) -> None:
-        super().__init__(layers, rope, block_size=block_size)
+    def _prepare(self) -> None:
         if reason := unsupported_reason(self.layers):
             raise UnsupportedKVLayout(f"the Triton chunk ops cannot address: {reason}")
         base = self.layers[0].keys
@@ -207,7 +200,7 @@ class TritonOps(DeviceOps):
         self._align = math.gcd(16, *offsets)
         _, _, self.num_heads, self.head_size = base.shape
         self._cos_sin = None
-        if rope is not None:
+        if (rope := self.rope) is not None:
             assert rope.head_size == self.head_size, "RoPE and KV head sizes differ"
             self._cos_sin = rope.cos_sin_cache.to(self.device, torch.float32)
         self._kernel = kernel_for(self.device.type)
@@ -223,18 +216,11 @@ class TritonOps(DeviceOps):
         self._launch(block_ids, start, chunk, count, delta=0, save=True)
         return chunk
 
-    def load_chunk(
-        self,
-        block_ids: torch.Tensor,
-        dst_start: int,
-        stored: torch.Tensor,
-        src_start: int,
-        count: int,
-        delta: int,
+    def write_window(
+        self, block_ids: torch.Tensor, start: int, window: torch.Tensor, delta: int
     ) -> None:
-        window = stored[:, :, src_start : src_start + count]
-        window = window.to(self.device, self.layers[0].keys.dtype)
-        self._launch(block_ids, dst_start, window, count, delta, save=False)
+        window = window.to(self.layers[0].keys.dtype)  # the kernel's one dtype
+        self._launch(block_ids, start, window, window.shape[2], delta, save=False)
 
     def _launch(
         self,
