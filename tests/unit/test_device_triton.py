@@ -175,11 +175,11 @@ def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_kvreuse.device.triton_ops import move_kernel
+    from vllm_kvreuse.device.triton_ops import kernel_for
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("Triton was built without its NVIDIA backend")
-    kernel = triton.jit(move_kernel)
+    kernel = kernel_for("cuda")
     pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
                 "block_ids_ptr": "*i64", "cos_sin_ptr": "*fp32"}  # fmt: skip
     constants = dict(NUM_HEADS=8, HEAD_SIZE=128, ROTARY_DIM=128, IS_NEOX=True,

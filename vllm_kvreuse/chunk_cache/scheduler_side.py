@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.chunk_cache import store_admin
 from vllm_kvreuse.chunk_cache.keys import (
     chunk_key,
     chunked_salt,
@@ -370,10 +369,6 @@ class ChunkScheduler:
         }
         self._reported = now
         return data
-
-    def admin(self, action: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The admin endpoint's actions (:func:`.store_admin.run`)."""
-        return store_admin.run(self, action, *args, **kwargs)
 
     # -- helpers ---------------------------------------------------------------
 

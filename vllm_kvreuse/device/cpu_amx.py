@@ -60,30 +60,12 @@ class TiledKV(PagedKV):
     def token_shape(self) -> tuple[int, int]:
         return self.keys.shape[3], self.keys.shape[4] * self.keys.shape[5]
 
-    def read(
-        self, blocks: torch.Tensor, offsets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (len(offsets), *self.token_shape)
-        keys = self.keys[(blocks, *split(offsets, self.keys))]
-        values = self.values[(blocks, *split(offsets, self.values))]
-        return keys.reshape(shape), values.reshape(shape)
-
-    def write(
-        self,
-        blocks: torch.Tensor,
-        offsets: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        for view, tokens in ((self.keys, keys), (self.values, values)):
-            packed = tokens.to(view.dtype).reshape(len(offsets), *view.shape[3:])
-            view[(blocks, *split(offsets, view))] = packed
-
-
-def split(offsets: torch.Tensor, view: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Block offsets as (group, position in group) of ``view``'s token axes."""
-    group = view.shape[2]
-    return offsets // group, offsets % group
+    def slot_index(
+        self, view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Block offsets as (group, position in group) of ``view``'s token axes."""
+        group = view.shape[2]
+        return blocks, offsets // group, offsets % group
 
 
 def amx_views(cache: torch.Tensor, block_size: int) -> TiledKV:

@@ -61,6 +61,17 @@ def segmented_reference(
     their rows attends causally to everything before it, loaded rows as
     stored. Every step of the chunk cache's segmented prefill, in one place.
     """
+    end = sum(lengths)
+    cache = _segmented_prefill(model, token_ids[:end], lengths, spans)
+    return _greedy(model, cache, token_ids[end:], end, steps)
+
+
+def _segmented_prefill(
+    model: Any, token_ids: list[int], lengths: list[int], spans: list[tuple[int, int]]
+) -> Any:
+    """The model's KV cache of the chunks ``token_ids``: each loaded position
+    from its chunk computed alone, each of ``spans`` recomputed on the cache
+    built so far."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -88,9 +99,16 @@ def segmented_reference(
                 use_cache=True,
             )
         pos = span_stop
+    return cache
+
+
+def _greedy(
+    model: Any, cache: Any, feed: list[int], at: int, steps: int
+) -> tuple[list[int], torch.Tensor]:
+    """``steps`` greedy tokens after ``feed`` (from position ``at``) on
+    ``cache``, and the first step's log-probs."""
     generated: list[int] = []
     first_logprobs = None
-    feed, at = token_ids[end:], end
     for _ in range(steps):
         logits = model(
             input_ids=torch.tensor([feed]),
