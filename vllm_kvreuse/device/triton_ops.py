@@ -157,7 +157,15 @@ def with_device_functions(wrap: Callable[[Any], Any]) -> Any:
     only device functions of its own kind."""
     scope = dict(move_kernel.__globals__)
     scope.update({f.__name__: wrap(f) for f in DEVICE_FUNCTIONS})
-    return types.FunctionType(move_kernel.__code__, scope, move_kernel.__name__)
+    kernel = types.FunctionType(move_kernel.__code__, scope, move_kernel.__name__)
+    # Triton reads which parameters are constexpr from the annotations, which
+    # a new function does not inherit: without them the compiler sees
+    # BLOCK_T as a runtime value and refuses tl.arange (the interpreter
+    # does not mind, so only a GPU showed it).
+    kernel.__annotations__ = dict(move_kernel.__annotations__)
+    kernel.__qualname__ = move_kernel.__qualname__
+    kernel.__module__ = move_kernel.__module__
+    return kernel
 
 
 def unsupported_reason(layers: Sequence[PagedKV]) -> str | None:
