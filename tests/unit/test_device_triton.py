@@ -109,9 +109,10 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 def test_fused_ops_match_torch_on_every_layout(layout, dtype, device) -> None:
     """Neox RoPE over the whole head, every layout vLLM can allocate; on CPU
     in the interpreter, on a GPU compiled."""
-    layers = content_packed(layout, dtype, device=device)
-    reference, fused = twins(layers, make_rope())
-    exercise(reference, fused, delta=1000)
+    for delta in (1000, -700):  # -700: computed after a long fill context
+        layers = content_packed(layout, dtype, device=device)
+        reference, fused = twins(layers, make_rope())
+        exercise(reference, fused, delta=delta)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -185,6 +186,11 @@ def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
     constants = dict(NUM_HEADS=8, HEAD_SIZE=128, ROTARY_DIM=128, IS_NEOX=True,
                      ROTATE=not save, SAVE=save, BLOCK_T=4, BLOCK_HD=1024, ALIGN=16,
                      c_dim=1, k_dim=1, v_dim=1)  # fmt: skip
+    # A launch relies on the JIT's own reading of the constexpr annotations
+    # (this signature names them itself): a kernel that had lost them
+    # compiled here, ran in the interpreter, and failed on an H100.
+    declared = {param.name for param in kernel.params if param.is_constexpr}
+    assert declared == set(constants) - {"c_dim", "k_dim", "v_dim"}
     signature = {
         name: pointers.get(name, "constexpr" if name in constants else "i32")
         for name in kernel.arg_names
@@ -207,42 +213,3 @@ def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
     assert vector_loads >= 8, f"K and V read in {vector_loads} vector loads"
     scalar_loads = loads.count("ld.global.b16")
     assert scalar_loads == (0 if save else 32), "only the partner reads are scalar"
-
-
-@pytest.mark.parametrize("rotate", [True, False])
-def test_the_kernel_compiles_for_an_h100_here(rotate: bool) -> None:
-    """The compiled kernel (not the interpreter's) is built for sm_90 on this
-    machine, with no GPU: Triton's CUDA backend runs its whole pipeline to
-    PTX. The interpreter is lenient where the compiler is not (a kernel that
-    lost its constexpr annotations ran interpreted and failed on an H100)."""
-    backends = pytest.importorskip("triton.backends")
-    if "nvidia" not in backends.backends:
-        pytest.skip("this Triton has no CUDA backend")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from vllm_kvreuse.device.triton_ops import kernel_for
-
-    kernel = kernel_for("cuda")
-    pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
-                "block_ids_ptr": "*i32", "cos_sin_ptr": "*fp32"}  # fmt: skip
-    constants = dict(NUM_HEADS=2, HEAD_SIZE=64, ROTARY_DIM=64, IS_NEOX=True,
-                     ROTATE=rotate, SAVE=not rotate, BLOCK_T=16, BLOCK_HD=128,
-                     ALIGN=16)  # fmt: skip
-    signature = {
-        p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "i64")
-        for p in kernel.params
-    }
-    assert {n for n, t in signature.items() if t == "constexpr"} == set(constants)
-    source = ASTSource(
-        kernel,
-        signature,
-        constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
-    )
-    compiled = triton.compile(
-        source,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": TritonOps.NUM_WARPS, "enable_fp_fusion": False},
-    )
-    assert ".entry move_kernel" in compiled.asm["ptx"]

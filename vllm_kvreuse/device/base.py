@@ -109,6 +109,23 @@ class Rope:
     # vLLM's torch arithmetic
     apply_rotary: torch.nn.Module | None = None
 
+    def row(self, delta: int) -> torch.Tensor:
+        """``[1, rotary_dim]`` cos | sin of a move by ``delta`` positions."""
+        return rotation_row(self.cos_sin_cache, delta)[None]
+
+
+def rotation_row(table: torch.Tensor, delta: int) -> torch.Tensor:
+    """cos | sin of a move by ``delta`` positions, from ``table`` (a RoPE
+    cos | sin cache by position, on any device): its row ``|delta|``, the
+    sines negated when ``delta < 0``. A chunk moves backwards when it was
+    computed after a fill context longer than what stands before it."""
+    assert abs(delta) < len(table), f"delta {delta} outside the RoPE table"
+    row = table[abs(delta)]
+    if delta >= 0:
+        return row
+    cos, sin = row.chunk(2)
+    return torch.cat([cos, -sin])
+
 
 class DeviceOps(ABC):
     """Chunk moves over one worker's paged KV cache, every attention layer.
@@ -195,8 +212,9 @@ class DeviceOps(ABC):
         """Writes tokens ``[src_start, src_start + count)`` of ``stored``
         (``[num_layers, 2, n, H, D]``, on any device) into positions
         ``[dst_start, dst_start + count)`` of the request whose block table is
-        ``block_ids``, keys moved by ``delta`` positions (RoPE; ``0 <= delta``:
-        a chunk never sits before the position it was computed at).
+        ``block_ids``, keys moved by ``delta`` positions (RoPE; negative when
+        the chunk was computed after a fill context longer than what stands
+        before it in the request).
 
         Mutates only those slots, in every layer.
         """

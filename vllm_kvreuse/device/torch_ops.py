@@ -49,8 +49,7 @@ def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
     cos/sin as ``[seq, rotary_dim / 2]``: on an accelerator the one row is
     repeated per token; on CPU it is broadcast (``[1, rotary_dim / 2]``).
     """
-    assert 0 <= delta < len(rope.cos_sin_cache), f"delta {delta} outside the table"
-    cos, sin = rope.cos_sin_cache[delta : delta + 1].to(keys.device).chunk(2, dim=-1)
+    cos, sin = rope.row(delta).to(keys.device).chunk(2, dim=-1)
     x = keys.to(torch.float32)
     rot = x[..., : rope.rotary_dim]
     if rope.rotary_dim < rope.head_size:

@@ -34,7 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvreuse.device.base import DeviceOps, PagedKV, UnsupportedKVLayout
+from vllm_kvreuse.device.base import (
+    DeviceOps,
+    PagedKV,
+    UnsupportedKVLayout,
+    rotation_row,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -288,5 +293,4 @@ class TritonOps(DeviceOps):
         assert self._cos_sin is not None and self.rope is not None, (
             "loading at another position needs RoPE"
         )
-        assert 0 <= delta < len(self._cos_sin), f"delta {delta} outside the RoPE table"
-        return self._cos_sin[delta]
+        return rotation_row(self._cos_sin, delta)
