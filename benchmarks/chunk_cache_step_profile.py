@@ -64,8 +64,7 @@ ROWS: dict[tuple[str, str], str] = {
     (CONNECTOR, "save_kv_layer"): "connector: save_kv_layer (per layer)",
     (CONNECTOR, "wait_for_save"): "connector: wait_for_save",
     (WORKER, "_load"): "worker: _load (one request)",
-    ("device/torch_ops.py", "load_chunk"): "device ops: load_chunk (one piece)",
-    ("device/triton_ops.py", "load_chunk"): "device ops: load_chunk (one piece)",
+    ("device/base.py", "load_chunk"): "device ops: load_chunk (one piece)",
     (WORKER, "_save"): "worker: _save (one chunk)",
     ("gpu_model_runner.py", "_model_forward"): "vLLM: model forward",
 }  # fmt: skip

@@ -56,6 +56,9 @@ SERVERS = {
     "plain": [],
     "isolated": ["--enable-chunk-cache", "--chunk-attention", "isolated"],
     "system": ["--enable-chunk-cache", "--chunk-attention", "system"],
+    # chunks computed after the system prompt and one other profile (of
+    # people from another seed): --chunk-fill-context, FILE added in main()
+    "context": ["--enable-chunk-cache", "--chunk-attention", "system"],
 }
 # mode: (server, the request's chunk_recompute field; None for plain vLLM,
 # "default" to send none: the server's defaults)
@@ -79,7 +82,18 @@ MODES: dict[str, tuple[str, Any]] = {
     "tail 0.125+head 64": ("isolated", {"tail": 0.125, "head": 64}),
     "head 128": ("isolated", {"head": 128}),
     "system+select 0.25": ("system", {"select": 0.25}),
+    "context": ("context", "none"),
+    "context+default": ("context", "default"),
+    "context+tail 0.25+head 32": ("context", {"tail": 0.25, "head": 32}),
 }
+
+
+def fill_context(prompts: Prompts, path: Path) -> Path:
+    """One profile of a person from another seed (none of the benchmark's
+    people), written to ``path``: the documents' kind, none of their facts."""
+    person = People(seed=12345).group(3)[0]  # chunk_recompute_reference's "bridge1"
+    path.write_text(prompts.document_text(person, random.Random(7), 500))
+    return path
 
 
 class Prompts:
@@ -106,12 +120,15 @@ class Prompts:
 
     def document(self, person: Person, rng: random.Random, tokens: int) -> list[int]:
         """``person``'s profile, about ``tokens`` tokens long."""
+        return self.encode(self.document_text(person, rng, tokens))
+
+    def document_text(self, person: Person, rng: random.Random, tokens: int) -> str:
         sentences = max(1, tokens // 14)
         text = person.profile(rng, sentences)
-        while len(ids := self.encode(text + "\n\n")) < tokens * 0.95:
+        while len(self.encode(text + "\n\n")) < tokens * 0.95:
             sentences += 2
             text = person.profile(rng, sentences)
-        return ids
+        return text + "\n\n"
 
     def question(self, question: str, lead: str) -> list[int]:
         return self.encode(f"Question: {question}{self.tail}{lead}")
@@ -279,6 +296,8 @@ def main() -> None:
         if not modes:
             continue
         extra = [*flags, "--chunk-cache-device-fraction", "0.5"] if flags else []
+        if server_name == "context":
+            extra += ["--chunk-fill-context", str(fill_context(prompts, logs / "ctx"))]
         with (
             Server(
                 args.model, *common, *extra,

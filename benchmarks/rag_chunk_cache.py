@@ -31,12 +31,14 @@ cache, and for the chunk server two rates that answer different questions:
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -56,11 +58,16 @@ def question(number: int) -> str:
     return f"Question {number}: what does the document say about w{number}?"
 
 
-def ask(client: httpx.Client, prompt: str | list[str]) -> tuple[float, int, int]:
+def ask(
+    client: httpx.Client, prompt: str | list[str], recompute: Any = None
+) -> tuple[float, int, int]:
     """(seconds to the first token, prompt tokens, cached prompt tokens) of a
-    text prompt, or of a list of segments sent as ``chunks``."""
+    text prompt, or of a list of segments sent as ``chunks`` (with
+    ``chunk_recompute`` when ``recompute`` is given)."""
     key = "chunks" if isinstance(prompt, list) else "prompt"
     body = {"model": SERVED_MODEL, key: prompt, "max_tokens": 1}
+    if recompute is not None:
+        body["chunk_recompute"] = recompute
     start = time.perf_counter()
     response = client.post("/v1/completions", json=body)
     elapsed = time.perf_counter() - start
@@ -71,12 +78,17 @@ def ask(client: httpx.Client, prompt: str | list[str]) -> tuple[float, int, int]
     return elapsed, usage["prompt_tokens"], details.get("cached_tokens") or 0
 
 
-def run_phase(url: str, prompts: list[str] | list[list[str]], concurrency: int):
+def run_phase(
+    url: str,
+    prompts: list[str] | list[list[str]],
+    concurrency: int,
+    recompute: Any = None,
+):
     with (
         httpx.Client(base_url=url, timeout=600) as client,
         ThreadPoolExecutor(concurrency) as pool,
     ):
-        return list(pool.map(lambda p: ask(client, p), prompts))
+        return list(pool.map(lambda p: ask(client, p, recompute), prompts))
 
 
 def rerotate_copy_ms_per_1k(model: str, repeats: int = 5) -> float:
@@ -132,6 +144,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument(
+        "--warm-recompute", nargs="*", default=['"none"'],
+        help="after the phases, the warm prompts again on the chunk server "
+        "with each of these chunk_recompute values (JSON), one row each",
+    )  # fmt: skip
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
     settings = ServerSettings.from_args(args)
@@ -185,7 +202,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         cold_prefill_ms_per_1k = 0.0
-        warm_chunk_p50 = 0.0
+        warm_chunk_p50 = plain_warm = 0.0
         for name, segment_lists in phases.items():
             plain_results = run_phase(
                 plain.url, ["".join(s) for s in segment_lists], args.concurrency
@@ -204,6 +221,7 @@ def main() -> None:
                 )
             if name == "warm":
                 warm_chunk_p50 = statistics.median(c_times)
+                plain_warm = statistics.median(p_times)
             print(
                 f"| {name} | {statistics.median(p_times) * 1e3:.0f} ms "
                 f"| {percentile(p_times, 0.99) * 1e3:.0f} ms "
@@ -211,6 +229,17 @@ def main() -> None:
                 f"| {percentile(c_times, 0.99) * 1e3:.0f} ms "
                 f"| {statistics.median(p_times) / statistics.median(c_times):.2f}x "
                 f"| {chunk_hit_rate:.2f} | {cached:.2f} |"
+            )
+        for value in map(json.loads, args.warm_recompute):
+            times = [
+                r[0]
+                for r in run_phase(chunked.url, phases["warm"], args.concurrency, value)
+            ]
+            print(
+                f"| warm, chunk_recompute={json.dumps(value)} | "
+                f"{plain_warm * 1e3:.0f} ms | | {statistics.median(times) * 1e3:.0f}"
+                f" ms | {percentile(times, 0.99) * 1e3:.0f} ms | "
+                f"{plain_warm / statistics.median(times):.2f}x | | |"
             )
         # The reuse limit: the warm prompts again, as one text, on plain vLLM.
         repeat = run_phase(

@@ -15,8 +15,11 @@ MODEL=${KVREUSE_MODEL_DIR:-models/smollm2}
 NAME=$(basename "$MODEL")
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 
-# float32: exact greedy outputs on CPU, and the chunk cache cannot address
-# the bfloat16 KV cache of vLLM's CPU AMX kernels.
+# float32 for this 135M model's sake: in bfloat16 (vLLM's pick on a CPU with
+# AVX512-BF16 or AMX) it answers the first example below wrongly ("What is
+# the capital of France?" -> "L'Etoile, la Marseillaise, ..."). Every feature,
+# the chunk cache included, also runs in bfloat16 (docs/chunk_cache.md);
+# pass --dtype bfloat16 after the script's name to serve in it.
 .venv/bin/vllm serve "$MODEL" --served-model-name "$NAME" \
   --host "$HOST" --port "$PORT" \
   --dtype float32 --enforce-eager --block-size 32 --max-model-len 4096 \

@@ -52,7 +52,7 @@ def wrap_vllm_config_post_init(original: Callable[..., Any]) -> Callable[..., An
         # Validates the settings at start-up, naming a bad one.
         enabled = KVReuseConfig.from_vllm_config(self).enabled - {"core"}
         if enabled:
-            # core.layer.FEATURES_ATTR: its get_scheduler_cls patch reads it.
+            # scheduler.FEATURES_ATTR: its get_scheduler_cls patch reads it.
             self.scheduler_config.kvreuse_features = enabled
         finalize_vllm_config(self)
 

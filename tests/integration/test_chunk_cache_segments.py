@@ -9,6 +9,8 @@ before them. One chunk-cache engine per test (one per process at a time).
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from tests.conftest import BLOCK_SIZE
 from tests.integration.chunks import (
@@ -41,15 +43,27 @@ DEFAULTS = {
 ABOUT_B = QUESTION + DOC_B[5:8]
 
 
-def _check(llm, hf_model, segments: list[list[int]], settings: Recompute) -> None:
+def _check(
+    llm,
+    hf_model,
+    segments: list[list[int]],
+    settings: Recompute,
+    context: list[int] | None = None,
+    recompute: object = None,
+) -> torch.Tensor:
+    """The engine's answer equals the reference's; returns the reference's
+    first-step log-probs."""
     token_ids, lengths = chunked_prompt(segments)
     spans = choose_spans(token_ids, lengths, settings)
-    assert spans, "the settings must recompute something"
-    expected, logprobs = segmented_reference(hf_model, token_ids, lengths, spans, STEPS)
-    out = generate(llm, segments, max_tokens=STEPS)
+    assert spans or context, "the settings must recompute something"
+    expected, logprobs = segmented_reference(
+        hf_model, token_ids, lengths, spans, STEPS, context=context or ()
+    )
+    out = generate(llm, segments, max_tokens=STEPS, recompute=recompute)
     assert list(out.outputs[0].token_ids) == expected
     for token, entry in out.outputs[0].logprobs[0].items():
         assert abs(entry.logprob - float(logprobs[token])) < 1e-3
+    return logprobs
 
 
 @pytest.mark.parametrize(
@@ -120,3 +134,35 @@ def test_a_request_may_ask_for_no_recompute(model_dir: str, hf_model) -> None:
         out = generate(llm, segments, recompute="none")
         assert list(out.outputs[0].token_ids) == expected
         assert out.num_cached_tokens >= len(SYSTEM + DOC_A + DOC_B) - BLOCK_SIZE
+
+
+def test_chunks_computed_after_a_fill_context_match_the_hf_reference(
+    model_dir: str, hf_model, tmp_path
+) -> None:
+    """With ``--chunk-fill-context FILE`` every chunk but the system prompt
+    is stored as computed after the file's tokens, and loaded by moving its
+    keys back (the context is longer than the system prompt): cold and warm
+    in another order, with recomputed heads and with none, equal the
+    reference built that way, which differs from the one without context."""
+    text = "An earlier record about a harbour town and its old lighthouse. " * 4
+    path = tmp_path / "context.txt"
+    path.write_text(text)
+    context = AutoTokenizer.from_pretrained(model_dir).encode(
+        text, add_special_tokens=False
+    )
+    assert len(context) > len(SYSTEM), "keys must move backwards"
+    with chunk_cache_llm(
+        model_dir, chunk_fill_context=str(path), chunk_recompute_head=8
+    ) as llm:
+        free = num_free_blocks(llm)
+        first = [SYSTEM, DOC_A, DOC_B, QUESTION]
+        with_context = _check(llm, hf_model, first, Recompute(head=8), context)
+        hits = index_of(llm).stats.hit_tokens
+        reordered = [SYSTEM, DOC_B, DOC_A, QUESTION]
+        _check(llm, hf_model, reordered, Recompute(), context, recompute="none")
+        assert index_of(llm).stats.hit_tokens > hits
+        assert num_free_blocks(llm) == free
+    token_ids, lengths = chunked_prompt(first)
+    spans = choose_spans(token_ids, lengths, Recompute(head=8))
+    _, without = segmented_reference(hf_model, token_ids, lengths, spans, STEPS)
+    assert (with_context - without).abs().max() > 1e-2, "the context changed nothing"

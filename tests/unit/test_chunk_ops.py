@@ -44,6 +44,16 @@ def test_rerotated_keys_match_keys_computed_at_the_actual_positions(rope) -> Non
     torch.testing.assert_close(moved, actual, atol=1e-4, rtol=1e-4)
 
 
+def test_keys_move_backwards_too(rope) -> None:
+    """A chunk computed after a fill context longer than what stands before
+    it in the request moves to an earlier position: a negative delta."""
+    raw = torch.randn(50, 2, rope.head_size)
+    virtual = rotate(raw, torch.arange(50) + 400, rope)
+    actual = rotate(raw, torch.arange(50) + 67, rope)
+    moved = rerotate_keys(virtual, 67 - 400, rope)
+    torch.testing.assert_close(moved, actual, atol=1e-4, rtol=1e-4)
+
+
 def test_cpu_rotation_broadcasts_one_row_to_the_same_values(rope) -> None:
     """On CPU one cos/sin row is broadcast over the tokens instead of
     expanded to a row per token: the same products, so the same bits."""

@@ -58,7 +58,7 @@ def test_merge_joins_touching_and_overlapping_spans() -> None:
 
 def test_the_plan_alternates_loads_and_spans() -> None:
     chunks = [
-        PlannedChunk(b"k", start, length, 0)
+        PlannedChunk(b"k", start, length)
         for start, length in zip([0, 4, 14, 26], LENGTHS, strict=True)
     ]
     plan = ChunkPlan(chunks, spans=[(4, 7), (14, 17), (30, 34)])

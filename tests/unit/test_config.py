@@ -19,6 +19,7 @@ from vllm_kvreuse.config import (
     merge_settings,
     parse_fraction,
 )
+from vllm_kvreuse.core.features import feature_class
 from vllm_kvreuse.features import SPECS
 
 
@@ -63,7 +64,7 @@ def test_every_feature_folder_has_one_spec_in_the_list() -> None:
     for name in folders:
         spec = importlib.import_module(f"vllm_kvreuse.{name}.spec").SPEC
         assert spec in SPECS and spec.name == name
-        assert spec.feature_class().name == name
+        assert feature_class(spec).name == name
 
 
 def test_config_fields_are_the_specs_options_with_their_defaults() -> None:

@@ -123,3 +123,30 @@ def test_package_docstring_lists_its_modules(init: Path) -> None:
     named = _named_in(docstring)
     assert sorted(present - named) == [], f"describe these in {init}"
     assert sorted(named - present) == [], f"{init} names these, which are gone"
+
+
+def _layout_rows() -> dict[str, str]:
+    """docs/architecture.md's Layout table: path -> what it says."""
+    text = (DOCS / "architecture.md").read_text()
+    table = text[text.index("## Layout") : text.index("## Patch registry")]
+    rows = re.findall(r"^\| `vllm_kvreuse/([^`]*)` \| (.*) \|$", table, re.MULTILINE)
+    return dict(rows)
+
+
+def test_layout_table_lists_every_top_level_module_and_folder() -> None:
+    """Each module and subpackage of ``vllm_kvreuse/`` has a row."""
+    present = {path.name for path in PACKAGE.glob("*.py")}
+    present |= {f"{path.parent.name}/" for path in PACKAGE.glob("*/__init__.py")}
+    assert sorted(present - set(_layout_rows())) == [], "add rows to Layout"
+
+
+def test_layout_table_names_no_file_that_is_gone() -> None:
+    """A folder's row names only files that are in the folder."""
+    gone = [
+        f"{folder}{name}"
+        for folder, what in _layout_rows().items()
+        if folder.endswith("/")
+        for name in re.findall(r"`(\w+\.py)`", what)
+        if not (PACKAGE / folder / name).exists()
+    ]
+    assert gone == [], "drop these from the Layout table"

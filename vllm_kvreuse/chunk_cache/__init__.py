@@ -19,6 +19,8 @@ Scheduler (engine core):
 - ``store_admin.py``: the store's admin actions (stats, clear, pin, unpin);
 - ``store.py``: the index: what is stored where, LRU order, pins, capacity;
 - ``keys.py``: chunks' content keys, chunked requests' cache salt;
+- ``fill_context.py``: the documents every chunk is computed after
+  (``--chunk-fill-context``), tokenised once;
 - ``plan.py``: the plan types the scheduler sends the workers;
 - ``engine.py``: the engine-core utility behind the admin endpoint;
 - ``stats.py``: chunk-store statistics on vLLM's KV-connector stats path.

@@ -41,7 +41,7 @@ async def _call(request: Request, action: str, ref: ChunkRef | None = None) -> A
     """Calls every engine core (each DP rank has its own store); with one,
     its answer, with several ``{"data_parallel_ranks": [answer per rank]}``."""
     engine_core = request.app.state.kvreuse_engine_client.engine_core
-    args = (ref.token_ids, ref.system_token_ids, ref.cache_salt) if ref else ()
+    args = (ref.model_dump(),) if ref else ()
     try:
         results = await engine_core.call_utility_all_async(UTILITY, action, *args)
         result = results[0] if len(results) == 1 else {"data_parallel_ranks": results}

@@ -15,18 +15,15 @@ UTILITY = "kvreuse_chunk_cache"
 
 def make_chunk_cache_utility(_: None) -> Callable[..., dict[str, Any]]:
     def kvreuse_chunk_cache(
-        self: Any,
-        action: str,
-        token_ids: list[int] | None = None,
-        system_token_ids: list[int] | None = None,
-        cache_salt: str | None = None,
+        self: Any, action: str, chunk: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Engine-core utility behind the admin endpoint (typed arguments:
-        vLLM converts them by annotation)."""
+        """Engine-core utility behind the admin endpoint: ``action`` on the
+        chunk ``chunk`` names (the endpoint's validated body, for pin and
+        unpin), in :func:`.store_admin.run`."""
         find = getattr(self.scheduler, "feature", None)
         feature = find("chunk_cache") if find is not None else None
         if feature is None:
             raise ValueError("the chunk cache is not enabled on this server")
-        return feature.admin(action, token_ids, system_token_ids, cache_salt)
+        return feature.admin(action, **(chunk or {}))
 
     return kvreuse_chunk_cache

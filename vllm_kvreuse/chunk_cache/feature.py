@@ -38,6 +38,7 @@ from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_kvreuse.chunk_cache import store_admin
 from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.plan import FillSpec
@@ -169,8 +170,9 @@ class ChunkCache(Feature):
             "pinned_chunks": side.index.num_pinned,
         }
 
-    def admin(self, action: str, *args: Any) -> dict[str, Any]:
-        return self.side.admin(action, *args)
+    def admin(self, action: str, **chunk: Any) -> dict[str, Any]:
+        """The admin endpoint's actions on this store (:func:`.store_admin.run`)."""
+        return store_admin.run(self.side, action, **chunk)
 
     # -- helpers ---------------------------------------------------------------
 

@@ -22,7 +22,12 @@ class PlannedChunk:
     key: ChunkKey
     start: int  # first position in the request
     length: int
-    virtual_start: int  # position of its first token when it was computed
+    context: tuple[int, ...] = ()  # what its fill computes before it
+
+    @property
+    def virtual_start(self) -> int:
+        """Position of its first token when it was computed."""
+        return len(self.context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +121,8 @@ class ChunkPlan:
 @dataclass(frozen=True, slots=True)
 class FillSpec:
     """What a fill computes: ``prompt[start:]`` (the chunk) after
-    ``prompt[:start]`` (the system prompt in "system" mode, else nothing)."""
+    ``prompt[:start]`` (its context: the system prompt in "system" mode and
+    the fill context, else nothing)."""
 
     key: ChunkKey
     prompt: list[int]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.chunk_cache import store_admin
+from vllm_kvreuse.chunk_cache.fill_context import attention_tag, load_fill_context
 from vllm_kvreuse.chunk_cache.keys import (
     chunk_key,
     chunked_salt,
@@ -70,8 +70,12 @@ class ChunkScheduler:
             select=settings.chunk_recompute_select,
             tail=settings.chunk_recompute_fraction,
         )
+        self._max_model_len = vllm_config.model_config.max_model_len
+        self.fill_context = load_fill_context(vllm_config, settings.chunk_fill_context)
+        # The mode as keys and salts name it (with the fill context's hash).
+        self._attention = attention_tag(self.mode, self.fill_context)
         self._hasher = key_hasher(vllm_config, settings.chunk_cache_hash)
-        self._identity = model_identity(vllm_config, self.mode)
+        self._identity = model_identity(vllm_config, self._attention)
         kv_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
         bytes_per_token = kv_bytes // (kv_cache_config.num_blocks * block_size)
         self.index = ChunkIndex(
@@ -95,7 +99,7 @@ class ChunkScheduler:
         """The cache salt of a chunked request's blocks: their values depend
         on the mode, the segment lengths and which spans were recomputed."""
         spans = ";".join(f"{a}-{b}" for a, b in plan.spans)
-        attention = f"{self.mode}+{spans}" if spans else self.mode
+        attention = f"{self._attention}+{spans}" if spans else self._attention
         return chunked_salt(plan.user_salt, attention, lengths)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -105,6 +109,11 @@ class ChunkScheduler:
 
     def key_salt(self, cache_salt: str | None, lora_request: Any) -> str:
         return "|".join((cache_salt or "", getattr(lora_request, "lora_name", "")))
+
+    def context_of(self, system: list[int]) -> list[int]:
+        """What a chunk after the first is computed after: the system prompt
+        in "system" mode, then the fill context."""
+        return [*(system if self.mode == "system" else ()), *self.fill_context]
 
     def key_of(self, cache_salt: str | None, context: Any, tokens: Any) -> bytes:
         """The store key of ``tokens`` computed after ``context``."""
@@ -118,15 +127,15 @@ class ChunkScheduler:
         needs, and how many of its chunk tokens were not stored yet. None,
         holding nothing, if the store cannot take a missing chunk."""
         prompt = request.prompt_token_ids or []
-        system = prompt[: lengths[0]] if self.mode == "system" else []
+        later = tuple(self.context_of(prompt[: lengths[0]]))
         salt = self.key_salt(request.cache_salt, request.lora_request)
         chunks: list[PlannedChunk] = []
         start = 0
         for number, length in enumerate(lengths):
-            context = system if number else []
+            context = later if number else ()
             tokens = prompt[start : start + length]
             key = chunk_key(self._hasher, self._identity, salt, context, tokens)
-            chunks.append(PlannedChunk(key, start, length, virtual_start=len(context)))
+            chunks.append(PlannedChunk(key, start, length, context))
             start += length
         settings = self.recompute if recompute is None else recompute
         spans = choose_spans(prompt, lengths, settings)
@@ -153,7 +162,8 @@ class ChunkScheduler:
     ) -> list[FillSpec] | None:
         """Pins every chunk for the plan; reserves room for those not stored
         or being filled and returns their fills (the caller starts them).
-        None, holding nothing, if the store cannot take one of them.
+        None, holding nothing, if the store cannot take one of them, or one's
+        fill (its context and itself) would not fit the model's length.
 
         A reserved entry carries two pins: its fill's (dropped when the fill
         finishes) and the plan's (dropped when the load is built), so the
@@ -164,15 +174,18 @@ class ChunkScheduler:
         fills: list[FillSpec] = []
         for chunk in chunks:
             if index.get(chunk.key) is None:
-                if not index.reserve(chunk.key, chunk.length):  # the fill's pin
+                # A fill computes its context too, and leaves room for its token.
+                too_long = len(chunk.context) + chunk.length >= self._max_model_len
+                if too_long or not index.reserve(chunk.key, chunk.length):
                     for key in pinned:
                         index.unpin(key)
                     for fill in fills:
                         index.drop(fill.key)
                     return None
-                context = prompt[: chunk.virtual_start]
                 tokens = prompt[chunk.start : chunk.start + chunk.length]
-                fills.append(FillSpec(chunk.key, [*context, *tokens], len(context)))
+                fills.append(
+                    FillSpec(chunk.key, [*chunk.context, *tokens], len(chunk.context))
+                )
             index.pin(chunk.key)  # the plan's pin
             pinned.append(chunk.key)
         return fills
@@ -370,10 +383,6 @@ class ChunkScheduler:
         }
         self._reported = now
         return data
-
-    def admin(self, action: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The admin endpoint's actions (:func:`.store_admin.run`)."""
-        return store_admin.run(self, action, *args, **kwargs)
 
     # -- helpers ---------------------------------------------------------------
 

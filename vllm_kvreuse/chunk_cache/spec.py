@@ -9,6 +9,7 @@ from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
     parse_bool,
+    parse_file,
     parse_fraction,
     parse_gib,
     parse_separator,
@@ -70,6 +71,16 @@ SPEC = FeatureSpec(
             "isolated",
             "'isolated': a chunk attends to itself only; 'system': chunks also see "
             "the system prompt (the first segment), whose hash joins their key.",
+        ),
+        Option(
+            "chunk_fill_context",
+            parse_file,
+            "",
+            "A text file of one or two documents like those requests retrieve; "
+            "every chunk is computed after it (and after the system prompt in "
+            "'system' mode), so its KV is that of a document following another. "
+            "Costs fills, not loads; its tokens join every chunk key. Empty (the "
+            "default): none. Measured gains in docs/chunk_cache.md.",
         ),
         Option(
             "chunk_recompute_fraction",

@@ -9,7 +9,7 @@ updates ``/metrics``, and to its log line. No extra channel is opened.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -18,20 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from vllm_kvreuse.chunk_cache.store import StoreStats
 from vllm_kvreuse.metrics import PREFIX
 
 COUNTERS: dict[str, str] = {
-    "hits": "Chunks of arriving requests found in the chunk store.",
-    "misses": "Chunks of arriving requests computed by a fill.",
-    "hit_tokens": "Prompt tokens of chunks found in the chunk store.",
-    "miss_tokens": "Prompt tokens of chunks computed by a fill.",
-    "evictions": "Chunks evicted from the chunk store (LRU or clear).",
-    "refused": "Chunks the store could not take (too large, or all pinned).",
-    "degraded": "Chunked requests that ran as ordinary requests because the "
-    "store could not take a chunk they needed.",
-    "replanned": "Chunked requests whose fill ended without saving its chunk "
-    "(aborted or failed): they were planned again.",
+    counter.name: counter.metadata["doc"] for counter in fields(StoreStats)
 }
+"""The store's counters (:class:`~.store.StoreStats`) and their help."""
 GAUGES: dict[str, str] = {
     "chunks": "Chunks in the chunk store.",
     "stored_tokens": "Tokens of the chunks in the chunk store.",
@@ -73,28 +66,27 @@ class ChunkCachePromMetrics(KVConnectorPromMetrics):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.counters = {
-            name: create_metric_per_engine(
-                self._counter_cls(
-                    name=f"{PREFIX}chunk_cache_{name}",
-                    documentation=doc,
-                    labelnames=self._labelnames,
-                ),
-                self.per_engine_labelvalues,
-            )
+            name: self._per_engine(self._counter_cls, name, doc)
             for name, doc in COUNTERS.items()
         }
         self.gauges = {
-            name: create_metric_per_engine(
-                self._gauge_cls(
-                    name=f"{PREFIX}chunk_cache_{name}",
-                    documentation=doc,
-                    labelnames=self._labelnames,
-                    multiprocess_mode="mostrecent",
-                ),
-                self.per_engine_labelvalues,
+            name: self._per_engine(
+                self._gauge_cls, name, doc, multiprocess_mode="mostrecent"
             )
             for name, doc in GAUGES.items()
         }
+
+    def _per_engine(
+        self, metric_cls: Any, name: str, doc: str, **kwargs: Any
+    ) -> dict[int, Any]:
+        """``vllm_kvreuse:chunk_cache_<name>``, one series per engine."""
+        metric = metric_cls(
+            name=f"{PREFIX}chunk_cache_{name}",
+            documentation=doc,
+            labelnames=self._labelnames,
+            **kwargs,
+        )
+        return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from vllm_kvreuse.chunk_cache.keys import ChunkKey
 
@@ -43,18 +43,30 @@ class StoreOp:
     key: ChunkKey
 
 
+def _count(doc: str) -> Any:
+    """A :class:`StoreStats` field: a total from 0, ``doc`` its help."""
+    return field(default=0, metadata={"doc": doc})
+
+
 @dataclass(slots=True)
 class StoreStats:
-    """Chunk-cache counters (totals); see ``stats.COUNTERS``."""
+    """Chunk-cache counters (totals): each is ``vllm_kvreuse:chunk_cache_<name>``
+    in ``/metrics`` with its doc as help (``stats.COUNTERS``)."""
 
-    hits: int = 0
-    misses: int = 0
-    hit_tokens: int = 0
-    miss_tokens: int = 0
-    evictions: int = 0
-    refused: int = 0
-    degraded: int = 0
-    replanned: int = 0
+    hits: int = _count("Chunks of arriving requests found in the chunk store.")
+    misses: int = _count("Chunks of arriving requests computed by a fill.")
+    hit_tokens: int = _count("Prompt tokens of chunks found in the chunk store.")
+    miss_tokens: int = _count("Prompt tokens of chunks computed by a fill.")
+    evictions: int = _count("Chunks evicted from the chunk store (LRU or clear).")
+    refused: int = _count("Chunks the store could not take (too large, or all pinned).")
+    degraded: int = _count(
+        "Chunked requests that ran as ordinary requests because the "
+        "store could not take a chunk they needed."
+    )
+    replanned: int = _count(
+        "Chunked requests whose fill ended without saving its chunk "
+        "(aborted or failed): they were planned again."
+    )
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ def run(
     """The admin endpoint's actions: stats, clear, pin, unpin.
 
     ``pin`` holds a stored chunk (``token_ids``, after
-    ``system_token_ids`` in "system" mode) against eviction until
+    ``system_token_ids`` in "system" mode, and the fill context) against
+    eviction until
     ``unpin``; an admin pin is counted once however often it is asked.
     """
     index = side.index
@@ -28,8 +29,9 @@ def run(
     if action in ("pin", "unpin"):
         if not token_ids:
             raise ValueError("token_ids must list the chunk's token ids")
-        context = system_token_ids or [] if side.mode == "system" else []
-        key = side.key_of(cache_salt, context, token_ids)
+        key = side.key_of(
+            cache_salt, side.context_of(system_token_ids or []), token_ids
+        )
         entry = index.get(key)
         if entry is None or not entry.ready:
             return {"found": False}

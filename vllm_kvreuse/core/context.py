@@ -18,10 +18,10 @@ from vllm.logger import init_logger
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.internal import InternalRequests
 from vllm_kvreuse.core.ledger import BlockLedger
 from vllm_kvreuse.core.resend import Resends
+from vllm_kvreuse.core.spec import Settings
 from vllm_kvreuse.core.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ logger = init_logger(__name__)
 class Core:
     """The scheduler plus the services features share.
 
+    - ``config``: the plugin's settings (:class:`~vllm_kvreuse.core.spec.Settings`);
     - ``ledger``: blocks held past their request's life;
     - ``internal``: requests the plugin spawns;
     - ``resends``: running requests sent whole to the workers again;
@@ -45,7 +46,7 @@ class Core:
       steps.
     """
 
-    def __init__(self, scheduler: Scheduler, config: KVReuseConfig) -> None:
+    def __init__(self, scheduler: Scheduler, config: Settings) -> None:
         self.scheduler = scheduler
         self.config = config
         self.upstream = Upstream(scheduler)

@@ -17,13 +17,17 @@ its final output in that step's outputs, so :meth:`retire` only marks it and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request
 
-if TYPE_CHECKING:
-    from vllm_kvreuse.core.feature import Feature
+
+class Spawner(Protocol):
+    """Who spawns internal requests: a feature
+    (:meth:`vllm_kvreuse.core.feature.Feature.on_internal_output`)."""
+
+    def on_internal_output(self, output: EngineCoreOutput) -> None: ...
 
 
 class InternalRequests:
@@ -31,7 +35,7 @@ class InternalRequests:
 
     def __init__(self, add: Callable[[Request], None]) -> None:
         self._add = add  # upstream's add_request, bypassing features' on_add
-        self.owners: dict[str, Feature] = {}
+        self.owners: dict[str, Spawner] = {}
         self._retired: list[str] = []
         self.num_spawned = 0
 
@@ -41,7 +45,7 @@ class InternalRequests:
     def __bool__(self) -> bool:
         return bool(self.owners)
 
-    def spawn(self, request: Request, owner: Feature) -> None:
+    def spawn(self, request: Request, owner: Spawner) -> None:
         """Adds ``request`` to the engine on behalf of ``owner``."""
         assert request.request_id not in self.owners, (
             f"internal request {request.request_id} spawned twice"

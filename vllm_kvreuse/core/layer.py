@@ -1,10 +1,11 @@
 """The scheduler hook layer: one class between vLLM's scheduler and the features.
 
 vLLM picks ``Scheduler`` or ``AsyncScheduler`` (or a user's, or a platform's
-subclass) in ``SchedulerConfig.get_scheduler_cls``; the registered patch
-passes that choice through :func:`compose`, which puts :class:`KVReuseLayer`
-in front of it when a feature is switched on, and returns vLLM's class
-untouched otherwise.
+subclass) in ``SchedulerConfig.get_scheduler_cls``; when a feature is
+switched on, the registered patch (:mod:`vllm_kvreuse.scheduler`) passes that
+choice through :func:`compose`, which puts :class:`KVReuseLayer` in front of
+it, with the function that reads the plugin's settings off the
+``VllmConfig`` (the top floor's; core imports no settings table).
 
 :class:`KVReuseLayer` overrides each upstream method it needs exactly once
 and calls the features' hooks (:mod:`vllm_kvreuse.core.feature`) in
@@ -26,7 +27,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -35,11 +36,11 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.context import Core
 from vllm_kvreuse.core.feature import HOOKS, Feature, implements
 from vllm_kvreuse.core.features import build_features
 from vllm_kvreuse.core.ledger import Hit
+from vllm_kvreuse.core.spec import Settings
 
 logger = init_logger(__name__)
 
@@ -49,9 +50,13 @@ STALL_LOG_INTERVAL = 10.0  # seconds between "waiting for" lines
 class KVReuseLayer(Scheduler):
     """Overrides upstream ``Scheduler`` methods once each; features do the rest."""
 
+    read_settings: ClassVar[Callable[[Any], Settings]]
+    """Reads the plugin's settings off a ``VllmConfig``; :func:`compose`
+    gives it to each composed class."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.kvreuse = Core(self, KVReuseConfig.from_vllm_config(self.vllm_config))
+        self.kvreuse = Core(self, self.read_settings(self.vllm_config))
         self.features: list[Feature] = build_features(self.kvreuse)
         self._hooks: dict[str, list[Feature]] = {
             hook: [f for f in self.features if implements(f, hook)] for hook in HOOKS
@@ -244,8 +249,9 @@ class KVReuseLayer(Scheduler):
 
 
 @functools.cache
-def compose(base: type) -> type:
-    """``base`` with :class:`KVReuseLayer` in front (cached per base)."""
+def compose(base: type, read_settings: Callable[[Any], Settings]) -> type:
+    """``base`` with :class:`KVReuseLayer` in front, reading its settings
+    with ``read_settings`` (cached per base and reader)."""
     if issubclass(base, KVReuseLayer):
         return base
     if not issubclass(base, Scheduler):
@@ -258,19 +264,9 @@ def compose(base: type) -> type:
     return type(
         f"KVReuse{base.__name__}",
         (KVReuseLayer, base),
-        {"__module__": __name__, "__doc__": f"{base.__qualname__} with vllm-kvreuse."},
+        {
+            "__module__": __name__,
+            "__doc__": f"{base.__qualname__} with vllm-kvreuse.",
+            "read_settings": staticmethod(read_settings),
+        },
     )
-
-
-FEATURES_ATTR = "kvreuse_features"
-"""Attribute the ``VllmConfig.__post_init__`` patch
-(:func:`vllm_kvreuse.engine_args.wrap_vllm_config_post_init`) sets on the
-scheduler config: the features switched on (absent when none is)."""
-
-
-def wrap_get_scheduler_cls(original: Callable[..., Any]) -> Callable[..., Any]:
-    def get_scheduler_cls(self: Any) -> type:
-        base = original(self)
-        return compose(base) if getattr(self, FEATURES_ATTR, None) else base
-
-    return get_scheduler_cls

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,22 @@ def parse_tokens(value: Any, name: str) -> int:
     if type(value) is not int or not 0 <= value <= 4096:
         raise ValueError(f"{name} must be a whole number of tokens in [0, 4096]")
     return value
+
+
+def parse_file(value: Any, name: str) -> str:
+    """Returns ``value`` as an absolute path to a readable file; ``""`` is off.
+
+    Only checks that the file can be read: its owner parses it where the
+    engine starts, naming the setting in any error.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a file path, got {value!r}")
+    if not value:
+        return ""
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise ValueError(f"{name}: {value!r} is not a readable file")
+    return path
 
 
 def parse_bool(value: Any, name: str) -> bool:

@@ -8,6 +8,10 @@ spec module imports only light modules (its parsers):
 :mod:`vllm_kvreuse.config` imports it while it is being built, so the
 scheduler feature class and every hook are named by path
 (``"module:attr"``) and imported when first needed (:func:`hooks`).
+
+The settings built from the specs' options (:class:`Settings`) are the top
+floor's (:class:`vllm_kvreuse.config.KVReuseConfig`); core takes them as a
+parameter and imports neither them nor the list.
 """
 
 from __future__ import annotations
@@ -15,12 +19,24 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vllm_kvreuse.core.options import Option
 
-if TYPE_CHECKING:
-    from vllm_kvreuse.core.feature import Feature
+
+class Settings(Protocol):
+    """The plugin's settings as core sees them: one attribute per option of
+    every spec (read by the features that declared them), and the specs of
+    the features they switch on."""
+
+    @property
+    def features(self) -> tuple[FeatureSpec, ...]:
+        """The specs of the features switched on, in hook-call order."""
+        ...
+
+    def __getattr__(self, name: str) -> Any:
+        """An option's value (``core.config.retain_kv_ttl``)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +69,8 @@ class FeatureSpec:
     switch: str
     """The option that turns the feature on."""
     feature: str
-    """``"module:Class"`` of its :class:`~vllm_kvreuse.core.feature.Feature`."""
+    """``"module:Class"`` of its :class:`~vllm_kvreuse.core.feature.Feature`
+    (imported by :func:`vllm_kvreuse.core.features.feature_class`)."""
     switch_note: str = ""
     """Said after the switch's flag when a request needs the feature off."""
     attach_engine_args: str = ""
@@ -106,12 +123,6 @@ class FeatureSpec:
         switches this feature on."""
         value = getattr(settings, self.switch)
         return value is not None and value is not False
-
-    def feature_class(self) -> type[Feature]:
-        """Imports the scheduler feature class; its ``name`` is the spec's."""
-        cls: type[Feature] = load_hook(self.feature)
-        assert cls.name == self.name, f"{self.feature} is named {cls.name!r}"
-        return cls
 
 
 def load_hook(path: str) -> Any:

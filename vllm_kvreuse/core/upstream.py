@@ -52,7 +52,7 @@ class Upstream:
         self.hash_block_size = (
             scheduler.cache_config.hash_block_size or scheduler.block_size
         )
-        self.v2 = bool(getattr(scheduler, "use_v2_model_runner", False))
+        self.v2 = scheduler.use_v2_model_runner
 
     # -- the block pool ----------------------------------------------------------
 
@@ -313,8 +313,9 @@ def _private_hasher(hash_block_size: int) -> Callable[[Request], list[Any]]:
 
 
 def api_process_count(parallel_config: Any) -> int:
-    """API-server processes in front of this engine (1 when unset)."""
-    return getattr(parallel_config, "_api_process_count", 1)
+    """API-server processes in front of this engine (1 unless
+    ``--api-server-count`` or data parallelism started more)."""
+    return parallel_config._api_process_count
 
 
 def referenced_blocks(scheduler: Any) -> Iterator[Any]:
@@ -326,5 +327,5 @@ def referenced_blocks(scheduler: Any) -> Iterator[Any]:
             yield from blocks
         for pair in single._pending_cow_copies:
             yield from pair
-    for _, blocks in getattr(scheduler, "deferred_frees", ()):
+    for _, blocks in scheduler.deferred_frees:
         yield from blocks

@@ -11,8 +11,9 @@ Conventions (shared by every implementation):
   ``values`` are ``[num_blocks, block_size, num_kv_heads, head_size]`` views
   (or tensors) whose storage *is* the cache: writing them writes the cache.
   A layout that no such view can describe (vLLM's AMX tiles on CPU) is a
-  subclass that overrides :meth:`PagedKV.read` and :meth:`PagedKV.write`;
-  torch ops go through those two, fused kernels only take plain views.
+  subclass that overrides how a slot is indexed
+  (:meth:`PagedKV.slot_index`); torch ops go through :meth:`PagedKV.read`
+  and :meth:`PagedKV.write`, fused kernels only take plain views.
 - A request's position ``p`` lives in block ``block_ids[p // block_size]``
   at offset ``p % block_size`` (vLLM's slot mapping). ``block_ids`` are the
   KV cache manager's blocks; when the attention kernels split each into
@@ -57,12 +58,22 @@ class PagedKV:
         """``(num_kv_heads, head_size)``: one token's keys (or values)."""
         return self.keys.shape[2], self.keys.shape[3]
 
+    def slot_index(
+        self, view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The index of the given slots into ``view`` (``keys`` or
+        ``values``): one tensor per leading axis, up to a token's own axes."""
+        return blocks, offsets
+
     def read(
         self, blocks: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values at the given slots: ``[n, H, D]``
         each. Mutates nothing."""
-        return self.keys[blocks, offsets], self.values[blocks, offsets]
+        shape = (len(offsets), *self.token_shape)
+        keys = self.keys[self.slot_index(self.keys, blocks, offsets)]
+        values = self.values[self.slot_index(self.values, blocks, offsets)]
+        return keys.reshape(shape), values.reshape(shape)
 
     def write(
         self,
@@ -73,8 +84,10 @@ class PagedKV:
     ) -> None:
         """Writes ``[n, H, D]`` keys and values (cast to the cache's dtype)
         into the given slots; mutates only those."""
-        self.keys[blocks, offsets] = keys.to(self.keys.dtype)
-        self.values[blocks, offsets] = values.to(self.values.dtype)
+        for view, tokens in ((self.keys, keys), (self.values, values)):
+            index = self.slot_index(view, blocks, offsets)
+            token_axes = view.shape[len(index) :]
+            view[index] = tokens.to(view.dtype).reshape(len(offsets), *token_axes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +108,23 @@ class Rope:
     # CustomOp needs it), so a platform's registered kernel rotates; None:
     # vLLM's torch arithmetic
     apply_rotary: torch.nn.Module | None = None
+
+    def row(self, delta: int) -> torch.Tensor:
+        """``[1, rotary_dim]`` cos | sin of a move by ``delta`` positions."""
+        return rotation_row(self.cos_sin_cache, delta)[None]
+
+
+def rotation_row(table: torch.Tensor, delta: int) -> torch.Tensor:
+    """cos | sin of a move by ``delta`` positions, from ``table`` (a RoPE
+    cos | sin cache by position, on any device): its row ``|delta|``, the
+    sines negated when ``delta < 0``. A chunk moves backwards when it was
+    computed after a fill context longer than what stands before it."""
+    assert abs(delta) < len(table), f"delta {delta} outside the RoPE table"
+    row = table[abs(delta)]
+    if delta >= 0:
+        return row
+    cos, sin = row.chunk(2)
+    return torch.cat([cos, -sin])
 
 
 class DeviceOps(ABC):
@@ -125,6 +155,12 @@ class DeviceOps(ABC):
             f"manager block size {self._block_size} is not a multiple of the "
             f"cache's kernel block size {self.kernel_block_size}"
         )
+        self._prepare()
+
+    def _prepare(self) -> None:  # noqa: B027 - a hook, a no-op unless overridden
+        """What an implementation checks and computes once of the layers, at
+        the end of ``__init__``; raises :class:`UnsupportedKVLayout` for
+        layers it cannot address."""
 
     @property
     def device(self) -> torch.device:
@@ -164,7 +200,6 @@ class DeviceOps(ABC):
         Mutates nothing.
         """
 
-    @abstractmethod
     def load_chunk(
         self,
         block_ids: torch.Tensor,
@@ -177,8 +212,23 @@ class DeviceOps(ABC):
         """Writes tokens ``[src_start, src_start + count)`` of ``stored``
         (``[num_layers, 2, n, H, D]``, on any device) into positions
         ``[dst_start, dst_start + count)`` of the request whose block table is
-        ``block_ids``, keys moved by ``delta`` positions (RoPE; ``0 <= delta``:
-        a chunk never sits before the position it was computed at).
+        ``block_ids``, keys moved by ``delta`` positions (RoPE; negative when
+        the chunk was computed after a fill context longer than what stands
+        before it in the request).
 
         Mutates only those slots, in every layer.
         """
+        window = stored[:, :, src_start : src_start + count]
+        assert window.shape[2] == count, (
+            f"tokens [{src_start}, {src_start + count}) of a "
+            f"{stored.shape[2]}-token chunk"
+        )
+        self.write_window(block_ids, dst_start, window.to(self.device), delta)
+
+    @abstractmethod
+    def write_window(
+        self, block_ids: torch.Tensor, start: int, window: torch.Tensor, delta: int
+    ) -> None:
+        """:meth:`load_chunk` once the tokens are on this device: ``window``
+        (``[num_layers, 2, count, H, D]``) into positions ``[start, start +
+        count)``, keys moved by ``delta``. Mutates only those slots."""

@@ -26,6 +26,8 @@ apart, groups ``16 * D``), so no ``[B, N, H, D]`` view exists:
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -58,30 +60,12 @@ class TiledKV(PagedKV):
     def token_shape(self) -> tuple[int, int]:
         return self.keys.shape[3], self.keys.shape[4] * self.keys.shape[5]
 
-    def read(
-        self, blocks: torch.Tensor, offsets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (len(offsets), *self.token_shape)
-        keys = self.keys[(blocks, *split(offsets, self.keys))]
-        values = self.values[(blocks, *split(offsets, self.values))]
-        return keys.reshape(shape), values.reshape(shape)
-
-    def write(
-        self,
-        blocks: torch.Tensor,
-        offsets: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        for view, tokens in ((self.keys, keys), (self.values, values)):
-            packed = tokens.to(view.dtype).reshape(len(offsets), *view.shape[3:])
-            view[(blocks, *split(offsets, view))] = packed
-
-
-def split(offsets: torch.Tensor, view: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Block offsets as (group, position in group) of ``view``'s token axes."""
-    group = view.shape[2]
-    return offsets // group, offsets % group
+    def slot_index(
+        self, view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Block offsets as (group, position in group) of ``view``'s token axes."""
+        group = view.shape[2]
+        return blocks, offsets // group, offsets % group
 
 
 def amx_views(cache: torch.Tensor, block_size: int) -> TiledKV:
@@ -116,3 +100,30 @@ def amx_views(cache: torch.Tensor, block_size: int) -> TiledKV:
         cache.storage_offset() + block_size * head_size,
     )
     return TiledKV(keys=keys, values=values)
+
+
+# Linux x86-64 ABI (arch/x86/include/uapi/asm/prctl.h, asm/unistd_64.h).
+_SYS_ARCH_PRCTL = 158
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def request_tile_state() -> bool:
+    """Asks Linux for AMX tile state in this process; True when granted.
+
+    A process must ask (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``)
+    before its first AMX tile instruction, or that instruction dies of
+    SIGILL. vLLM 0.32's CPU attention runs AMX tile instructions (its
+    ``amx`` kernels, bfloat16) without asking; oneDNN asks when a GEMM is
+    first large enough for AMX. So a worker whose first forward pass is a
+    prompt of a few tokens (oneDNN then picks AVX512-BF16) reaches vLLM's
+    attention first and dies: measured on plain vLLM 0.32 in bfloat16 with
+    a first prompt of 1 to 8 tokens, which a first prompt of 64 avoids.
+    The grant is process-wide and asking again is harmless; on CPUs or
+    kernels without AMX the call fails and nothing changes.
+    """
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    syscall = libc.syscall
+    return syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0

@@ -111,17 +111,10 @@ class AscendOps(DeviceOps):
             per_layer.append(torch.stack((keys[skip:], values[skip:])))
         return torch.stack(per_layer)
 
-    def load_chunk(
-        self,
-        block_ids: torch.Tensor,
-        dst_start: int,
-        stored: torch.Tensor,
-        src_start: int,
-        count: int,
-        delta: int,
+    def write_window(
+        self, block_ids: torch.Tensor, start: int, window: torch.Tensor, delta: int
     ) -> None:
-        slots = slot_ids(block_ids, dst_start, count, self.block_size)
-        window = stored[:, :, src_start : src_start + count].to(self.device)
+        slots = slot_ids(block_ids, start, window.shape[2], self.block_size)
         keys, values = window[:, 0], window[:, 1]
         if delta:
             assert self.rope is not None, "loading at another position needs RoPE"

@@ -123,7 +123,7 @@ def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
     # stored chunk
     rows = keys.to(torch.float32, copy=True).reshape(-1, *keys.shape[-2:])
     rows = rows.contiguous()
-    row = rope.cos_sin_cache[delta : delta + 1].to(keys.device)
+    row = rope.row(delta).to(keys.device)
     positions = torch.zeros(rows.shape[0], dtype=torch.long, device=keys.device)
     rotated = kernel(
         rows,

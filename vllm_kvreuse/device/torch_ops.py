@@ -49,8 +49,7 @@ def rerotate_keys(keys: torch.Tensor, delta: int, rope: Rope) -> torch.Tensor:
     cos/sin as ``[seq, rotary_dim / 2]``: on an accelerator the one row is
     repeated per token; on CPU it is broadcast (``[1, rotary_dim / 2]``).
     """
-    assert 0 <= delta < len(rope.cos_sin_cache), f"delta {delta} outside the table"
-    cos, sin = rope.cos_sin_cache[delta : delta + 1].to(keys.device).chunk(2, dim=-1)
+    cos, sin = rope.row(delta).to(keys.device).chunk(2, dim=-1)
     x = keys.to(torch.float32)
     rot = x[..., : rope.rotary_dim]
     if rope.rotary_dim < rope.head_size:
@@ -89,20 +88,13 @@ class TorchOps(DeviceOps):
             chunk[layer, 0], chunk[layer, 1] = read_tokens(kv, blocks, offsets)
         return chunk
 
-    def load_chunk(
-        self,
-        block_ids: torch.Tensor,
-        dst_start: int,
-        stored: torch.Tensor,
-        src_start: int,
-        count: int,
-        delta: int,
+    def write_window(
+        self, block_ids: torch.Tensor, start: int, window: torch.Tensor, delta: int
     ) -> None:
         """On an accelerator all layers' keys rotate in one pass (the cost
         there is kernel launches); on CPU layer by layer, which keeps each
         layer's keys in cache (measured 2.3x faster for a 24-layer model)."""
-        blocks, offsets = self._slots(block_ids, dst_start, count)
-        window = stored[:, :, src_start : src_start + count].to(self.device)
+        blocks, offsets = self._slots(block_ids, start, window.shape[2])
         keys, values = window[:, 0], window[:, 1]
         on_cpu = self.device.type == "cpu"
         if delta and not on_cpu:

@@ -26,52 +26,38 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_kvreuse.device.base import DeviceOps, PagedKV, Rope, UnsupportedKVLayout
+from vllm_kvreuse.device.base import (
+    DeviceOps,
+    PagedKV,
+    UnsupportedKVLayout,
+    rotation_row,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def move_kernel(
-    chunk_ptr,  # [L, 2, n, H, D] window (keys, values), any strides
-    c_layer,
-    c_kv,
-    c_token,
-    c_head,
-    c_dim,
-    cache_ptr,  # layer 0's keys
-    offsets_ptr,  # int64 [L, 2]: keys' and values' offsets from cache_ptr
-    k_block,
-    k_token,
-    k_head,
-    k_dim,
-    v_block,
-    v_token,
-    v_head,
-    v_dim,
-    block_ids_ptr,  # the views' blocks of the request
-    start,  # position of the chunk's first token in the request
-    count,
-    block_size,
+    chunk_ptr, c_layer, c_kv, c_token, c_head, c_dim,  # [L, 2, n, H, D] window
+    cache_ptr, offsets_ptr,  # layer 0's keys; int64 [L, 2]: each layer's K, V
+    k_block, k_token, k_head, k_dim, v_block, v_token, v_head, v_dim,
+    block_ids_ptr, start, count, block_size,  # the views' blocks of the request
     cos_sin_ptr,  # float32 [rotary_dim]: cos | sin of the delta
-    NUM_HEADS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    ROTARY_DIM: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    ROTATE: tl.constexpr,
-    SAVE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr, ROTATE: tl.constexpr, SAVE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
     ALIGN: tl.constexpr,  # a power of two dividing every layer offset
-):
+):  # fmt: skip
     """Moves ``count`` tokens of layer ``program_id(1)`` between the chunk
-    and the paged cache; program ``program_id(0)`` takes ``BLOCK_T`` of them.
+    and the paged cache, from position ``start`` of the request; program
+    ``program_id(0)`` takes ``BLOCK_T`` of them.
 
     SAVE: cache -> chunk. Otherwise chunk -> cache, keys rotated if ROTATE.
     """
@@ -113,32 +99,49 @@ def move_kernel(
     else:
         keys = tl.load(chunk_k, mask=mask)
         if ROTATE:
-            # vLLM's RoPE (ApplyRotaryEmb.forward_static) element by element:
-            # out = x * cos - partner * sin in the first of each pair,
-            # x * cos + partner * sin in the second.
-            HALF: tl.constexpr = ROTARY_DIM // 2
-            rotated = dim < ROTARY_DIM
-            if IS_NEOX:
-                first = dim < HALF
-                partner = tl.where(first, dim + HALF, dim - HALF)
-                freq = tl.where(first, dim, dim - HALF)
-            else:
-                first = dim % 2 == 0
-                partner = tl.where(first, dim + 1, dim - 1)
-                freq = dim // 2
-            cos = tl.load(cos_sin_ptr + freq, mask=rotated, other=1.0)
-            sin = tl.load(cos_sin_ptr + HALF + freq, mask=rotated, other=0.0)
-            sin = tl.where(first, -sin, sin)
-            other = tl.load(
-                chunk_k + ((partner - dim) * c_dim)[None, :],
-                mask=mask & rotated[None, :],
-                other=0.0,
+            keys = rotated_keys(
+                keys, chunk_k, mask, dim, c_dim, cos_sin_ptr, ROTARY_DIM, IS_NEOX
             )
-            x = keys.to(tl.float32)
-            turned = x * cos[None, :] + other.to(tl.float32) * sin[None, :]
-            keys = tl.where(rotated[None, :], turned, x)
         tl.store(cache_k, keys.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(cache_v, tl.load(chunk_v, mask=mask), mask=mask)
+
+
+def rotated_keys(
+    keys, chunk_k, mask, dim, c_dim, cos_sin_ptr,
+    ROTARY_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
+):  # fmt: skip
+    """``keys`` (the tile :func:`move_kernel` read at ``chunk_k``; ``dim``:
+    each lane's dimension) rotated by the delta, in float32.
+
+    vLLM's RoPE (ApplyRotaryEmb.forward_static) element by element:
+    out = x * cos - partner * sin in the first of each pair,
+    x * cos + partner * sin in the second.
+    """
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    rotated = dim < ROTARY_DIM
+    if IS_NEOX:
+        first = dim < HALF
+        partner = tl.where(first, dim + HALF, dim - HALF)
+        freq = tl.where(first, dim, dim - HALF)
+    else:
+        first = dim % 2 == 0
+        partner = tl.where(first, dim + 1, dim - 1)
+        freq = dim // 2
+    cos = tl.load(cos_sin_ptr + freq, mask=rotated, other=1.0)
+    sin = tl.load(cos_sin_ptr + HALF + freq, mask=rotated, other=0.0)
+    sin = tl.where(first, -sin, sin)
+    other = tl.load(
+        chunk_k + ((partner - dim) * c_dim)[None, :],
+        mask=mask & rotated[None, :],
+        other=0.0,
+    )
+    x = keys.to(tl.float32)
+    turned = x * cos[None, :] + other.to(tl.float32) * sin[None, :]
+    return tl.where(rotated[None, :], turned, x)
+
+
+DEVICE_FUNCTIONS = (rotated_keys,)
+"""What :func:`move_kernel` calls: compiled or interpreted along with it."""
 
 
 @functools.cache
@@ -147,8 +150,27 @@ def kernel_for(device_type: str) -> Any:
     if device_type == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(move_kernel)
-    return triton.jit(move_kernel, do_not_specialize=["start", "count"])
+        return InterpretedFunction(with_device_functions(InterpretedFunction))
+    kernel = with_device_functions(triton.jit)
+    return triton.jit(kernel, do_not_specialize=["start", "count"])
+
+
+def with_device_functions(wrap: Callable[[Any], Any]) -> Any:
+    """:func:`move_kernel` calling each of :data:`DEVICE_FUNCTIONS` as
+    ``wrap`` (``triton.jit``, or the interpreter's) makes it. Neither is
+    decorated in this module, so one process can run both: a kernel calls
+    only device functions of its own kind."""
+    scope = dict(move_kernel.__globals__)
+    scope.update({f.__name__: wrap(f) for f in DEVICE_FUNCTIONS})
+    kernel = types.FunctionType(move_kernel.__code__, scope, move_kernel.__name__)
+    # Triton reads which parameters are constexpr from the annotations, which
+    # a new function does not inherit: without them the compiler sees
+    # BLOCK_T as a runtime value and refuses tl.arange (the interpreter
+    # does not mind, so only a GPU showed it).
+    kernel.__annotations__ = dict(move_kernel.__annotations__)
+    kernel.__qualname__ = move_kernel.__qualname__
+    kernel.__module__ = move_kernel.__module__
+    return kernel
 
 
 def unsupported_reason(layers: Sequence[PagedKV]) -> str | None:
@@ -184,14 +206,7 @@ class TritonOps(DeviceOps):
     """Elements (tokens x heads x head size) one program moves per side."""
     NUM_WARPS = 4
 
-    def __init__(
-        self,
-        layers: Sequence[PagedKV],
-        rope: Rope | None,
-        *,
-        block_size: int | None = None,
-    ) -> None:
-        super().__init__(layers, rope, block_size=block_size)
+    def _prepare(self) -> None:
         if reason := unsupported_reason(self.layers):
             raise UnsupportedKVLayout(f"the Triton chunk ops cannot address: {reason}")
         base = self.layers[0].keys
@@ -207,7 +222,7 @@ class TritonOps(DeviceOps):
         self._align = math.gcd(16, *offsets)
         _, _, self.num_heads, self.head_size = base.shape
         self._cos_sin = None
-        if rope is not None:
+        if (rope := self.rope) is not None:
             assert rope.head_size == self.head_size, "RoPE and KV head sizes differ"
             self._cos_sin = rope.cos_sin_cache.to(self.device, torch.float32)
         self._kernel = kernel_for(self.device.type)
@@ -223,18 +238,11 @@ class TritonOps(DeviceOps):
         self._launch(block_ids, start, chunk, count, delta=0, save=True)
         return chunk
 
-    def load_chunk(
-        self,
-        block_ids: torch.Tensor,
-        dst_start: int,
-        stored: torch.Tensor,
-        src_start: int,
-        count: int,
-        delta: int,
+    def write_window(
+        self, block_ids: torch.Tensor, start: int, window: torch.Tensor, delta: int
     ) -> None:
-        window = stored[:, :, src_start : src_start + count]
-        window = window.to(self.device, self.layers[0].keys.dtype)
-        self._launch(block_ids, dst_start, window, count, delta, save=False)
+        window = window.to(self.layers[0].keys.dtype)  # the kernel's one dtype
+        self._launch(block_ids, start, window, window.shape[2], delta, save=False)
 
     def _launch(
         self,
@@ -285,5 +293,4 @@ class TritonOps(DeviceOps):
         assert self._cos_sin is not None and self.rope is not None, (
             "loading at another position needs RoPE"
         )
-        assert 0 <= delta < len(self._cos_sin), f"delta {delta} outside the RoPE table"
-        return self._cos_sin[delta]
+        return rotation_row(self._cos_sin, delta)

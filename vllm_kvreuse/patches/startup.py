@@ -53,7 +53,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         target="vllm.config.scheduler:SchedulerConfig.get_scheduler_cls",
-        wrapper="vllm_kvreuse.core.layer:wrap_get_scheduler_cls",
+        wrapper="vllm_kvreuse.scheduler:wrap_get_scheduler_cls",
         kind="function",
         signatures={V0_32_0: "(self) -> type['SchedulerInterface']"},
         why="Setting scheduler_cls to one class would lose vLLM's choice "

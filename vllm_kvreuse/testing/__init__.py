@@ -4,6 +4,8 @@
 - ``smollm2.py``: the default served model, SmolLM2-135M-Instruct;
 - ``server.py``: a real ``vllm serve`` process on a free loopback port;
 - ``router.py``: a real ``vllm-router`` in front of test servers;
+- ``service.py``: what those two share: a loopback HTTP program, its log,
+  its readiness, its stop;
 - ``processes.py``: HTTP connections pinned to one API-server process;
 - ``kv_caches.py``: per-layer KV caches from vLLM's own allocator;
 - ``ascend_layout.py``: vllm-ascend's per-layer KV cache, on any device;

@@ -7,6 +7,7 @@ running the model in transformers as a reference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,10 +50,12 @@ def segmented_reference(
     lengths: list[int],
     spans: list[tuple[int, int]],
     steps: int,
+    context: Sequence[int] = (),
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and first-step log-probs of a chunked prompt whose
     ``spans`` are recomputed, the rest of its chunks loaded ("isolated"
-    mode), built with the model's own KV cache and no mask of ours.
+    mode; every chunk after the first computed after ``context``, the fill
+    context), built with the model's own KV cache and no mask of ours.
 
     A loaded position's KV is the one its chunk computes alone (at its
     actual positions: within a chunk, RoPE attention depends only on
@@ -61,6 +64,21 @@ def segmented_reference(
     their rows attends causally to everything before it, loaded rows as
     stored. Every step of the chunk cache's segmented prefill, in one place.
     """
+    end = sum(lengths)
+    cache = _segmented_prefill(model, token_ids[:end], lengths, spans, list(context))
+    return _greedy(model, cache, token_ids[end:], end, steps)
+
+
+def _segmented_prefill(
+    model: Any,
+    token_ids: list[int],
+    lengths: list[int],
+    spans: list[tuple[int, int]],
+    context: list[int],
+) -> Any:
+    """The model's KV cache of the chunks ``token_ids``: each loaded position
+    from its chunk computed alone (after ``context``, but the first chunk),
+    each of ``spans`` recomputed on the cache built so far."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -70,15 +88,17 @@ def segmented_reference(
     for span_start, span_stop in [*spans, (end, end)]:
         for chunk_start, length in zip(starts, lengths, strict=True):
             a, b = max(pos, chunk_start), min(span_start, chunk_start + length)
-            if a < b:  # a load: this chunk computed alone
-                chunk = slice(chunk_start, chunk_start + length)
+            if a < b:  # a load: this chunk computed alone (after the context)
+                before = context if chunk_start else []
+                chunk = token_ids[chunk_start : chunk_start + length]
+                first = chunk_start - len(before)
                 alone = model(
-                    input_ids=torch.tensor([token_ids[chunk]]),
-                    position_ids=torch.arange(chunk.start, chunk.stop)[None],
+                    input_ids=torch.tensor([[*before, *chunk]]),
+                    position_ids=torch.arange(first, chunk_start + length)[None],
                     use_cache=True,
                 ).past_key_values
                 for number, layer in enumerate(alone.layers):
-                    cut = slice(a - chunk_start, b - chunk_start)
+                    cut = slice(a - first, b - first)
                     cache.update(layer.keys[:, :, cut], layer.values[:, :, cut], number)
         if span_start < span_stop:
             model(
@@ -88,9 +108,16 @@ def segmented_reference(
                 use_cache=True,
             )
         pos = span_stop
+    return cache
+
+
+def _greedy(
+    model: Any, cache: Any, feed: list[int], at: int, steps: int
+) -> tuple[list[int], torch.Tensor]:
+    """``steps`` greedy tokens after ``feed`` (from position ``at``) on
+    ``cache``, and the first step's log-probs."""
     generated: list[int] = []
     first_logprobs = None
-    feed, at = token_ids[end:], end
     for _ in range(steps):
         logits = model(
             input_ids=torch.tensor([feed]),

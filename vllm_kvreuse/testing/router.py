@@ -9,9 +9,7 @@ request was sent to.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,11 +17,12 @@ from typing import Any
 import httpx
 
 from vllm_kvreuse.testing.server import free_port
+from vllm_kvreuse.testing.service import Service
 
 ROUTER = str(Path(sys.executable).parent / "vllm-router")
 
 
-class Router:
+class Router(Service):
     """``vllm-router --policy POLICY --worker-urls URLS...``; stopped on close().
 
     With ``decode_urls``, P/D mode: ``worker_urls`` are the prefill servers
@@ -32,6 +31,8 @@ class Router:
     to a decode server. Ready once its ``/health`` answers 200, which it does
     only when every worker is healthy, so start it after the workers.
     """
+
+    name = "vllm-router"
 
     def __init__(
         self,
@@ -44,34 +45,17 @@ class Router:
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [
+        command = [
             ROUTER, "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(self.metrics_port),
             "--policy", policy, *_workers(worker_urls, decode_urls),
         ]  # fmt: skip
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT
+        super().__init__(
+            command, url=f"http://127.0.0.1:{self.port}", log_path=log_path
         )
         self.client = httpx.Client(base_url=self.url, timeout=120)
-        self._wait_ready(ready_timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited:\n{self.log_tail()}")
-            try:
-                if self.client.get("/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise TimeoutError(f"vllm-router not ready in {timeout}s:\n{self.log_tail()}")
+        self.wait_ready(ready_timeout, poll=0.5)
 
     def post(
         self, path: str, body: dict[str, Any], session: str | None = None
@@ -97,25 +81,9 @@ class Router:
             for m in re.finditer(pattern, text, re.MULTILINE)
         }
 
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
     def close(self) -> None:
         self.client.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-    def __enter__(self) -> Router:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
 
 
 def _workers(worker_urls: Sequence[str], decode_urls: Sequence[str]) -> list[str]:

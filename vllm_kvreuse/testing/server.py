@@ -8,14 +8,14 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from vllm_kvreuse.testing.service import Service
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 SERVED_MODEL = "tiny"
@@ -110,12 +110,15 @@ OWN_PROCESS_GROUP: dict[str, Any] = (
 (``process_group`` is new in Python 3.11)."""
 
 
-class Server:
+class Server(Service):
     """`vllm serve MODEL ARGS...` on a free loopback port; stopped on close().
 
     Starts with 32-token blocks and ``settings`` (default: the tests', see
     :class:`ServerSettings`); ``args`` are appended and so override them.
     """
+
+    name = "vllm serve"
+    stop_timeout = 30
 
     def __init__(
         self,
@@ -128,7 +131,6 @@ class Server:
         ready_timeout: float = 300,
     ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         settings = settings or ServerSettings.for_tests()
         cmd = [
             VLLM, "serve", model_dir, "--served-model-name", SERVED_MODEL,
@@ -137,12 +139,10 @@ class Server:
             "--max-model-len", "1024", "--enable-prompt-tokens-details",
             *args,
         ]  # fmt: skip
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.process = subprocess.Popen(
+        super().__init__(
             cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+            url=f"http://127.0.0.1:{self.port}",
+            log_path=log_path,
             env={**server_env(), **(env or {})},
             # Its own process group: close() ends the engine core and workers
             # too, also when the server is stopped before it is ready (the
@@ -153,24 +153,7 @@ class Server:
             # requests).
             **OWN_PROCESS_GROUP,
         )
-        self._wait_ready(timeout=ready_timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.close()
-        raise TimeoutError(f"vllm serve not ready in {timeout}s:\n{self.log_tail()}")
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+        self.wait_ready(ready_timeout, poll=1)
 
     def metric(self, name: str, labels: str = "") -> float:
         """Sum of a /metrics sample's values over series matching ``labels``."""
@@ -183,19 +166,6 @@ class Server:
         return total
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        super().close()
         with contextlib.suppress(ProcessLookupError):  # stragglers of the group
             os.killpg(self.process.pid, signal.SIGKILL)
-        self._log.close()
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
