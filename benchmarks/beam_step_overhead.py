@@ -36,8 +36,9 @@ timed alike); everything else is overhead:
   (finishing requests, routing outputs, reading log-prob rows);
 - ``spawn``: creating and queueing new member requests
   (``Members.spawn``: the group's first step);
-- ``reseat``: re-seating live members onto their next beams
-  (``Reseats.move``: blocks, tail copies queued, tokens, hashes);
+- ``reseat``: the scheduler following the workers' step
+  (``LiveSteps.apply``: moved members' token histories, carriers' tokens;
+  before issue 30, ``Reseats.move``: blocks, tail copies, tokens, hashes);
 - ``rank``: the rest of the beam step on the host
   (``EngineBeamSearch._advance``: the chosen beams' sequences, releasing
   held beams);
