@@ -12,8 +12,8 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm_kvreuse.beam import catalog_file
 from vllm_kvreuse.beam.catalog_file import load_catalog, parse_catalog
 from vllm_kvreuse.beam.catalog_setup import PROCESSOR
-from vllm_kvreuse.beam.spec import parse_catalog_path
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY, KVReuseConfig
+from vllm_kvreuse.core.options import parse_file
 
 VOCAB = 100
 CODES = "# sid-catalog v1\n# layout: codes\n# codebooks: 4 8 4\n"
@@ -166,13 +166,13 @@ def test_a_large_catalog_parses_the_same_as_python(tmp_path: Path) -> None:
 
 def test_setting_is_off_by_default_and_checks_the_file(tmp_path: Path) -> None:
     assert KVReuseConfig().sid_catalog == ""
-    assert parse_catalog_path("", "--sid-catalog") == ""
+    assert parse_file("", "--sid-catalog") == ""
     path = tmp_path / "cat.txt"
     path.write_text(OFFSETS + "1 2 3\n")
     assert KVReuseConfig.from_dict({"sid_catalog": str(path)}).sid_catalog == str(path)
     for bad in (str(tmp_path / "missing.txt"), str(tmp_path), 3):
         with pytest.raises(ValueError, match="--sid-catalog"):
-            parse_catalog_path(bad, "--sid-catalog")
+            parse_file(bad, "--sid-catalog")
 
 
 def test_cli_flag_reaches_additional_config(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
-"""Engine-side beam search: beams fork their parent beam's KV blocks.
+"""Engine-side beam search: beams chosen next to the logits, carried by live members.
 
 ``spec.py``: the feature's declaration (settings, request keys, class,
-the ``--sid-catalog`` path check); ``engine_args.py``: the catalog's logits
+the ``--sid-catalog`` setting); ``engine_args.py``: the catalog's logits
 processor put in the engine arguments and settled on the finished config;
 ``metrics.py``: its counters in ``/metrics``.
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 from vllm_kvreuse.beam.policy import (
     CONFIG_KEY,
     LEAF_EOS_KEY,
@@ -12,25 +9,8 @@ from vllm_kvreuse.beam.policy import (
     BeamConfig,
     parse_token_id,
 )
-from vllm_kvreuse.core.options import Option, parse_bool
+from vllm_kvreuse.core.options import Option, parse_bool, parse_file
 from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
-
-
-def parse_catalog_path(value: Any, name: str) -> str:
-    """Returns ``value`` as an absolute path to a readable file; ``""`` is off.
-
-    Only checks the file can be read: it is parsed where the engine starts
-    (:func:`vllm_kvreuse.beam.catalog_file.load_catalog`).
-    """
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a file path, got {value!r}")
-    if not value:
-        return ""
-    path = os.path.abspath(os.path.expanduser(value))
-    if not os.path.isfile(path) or not os.access(path, os.R_OK):
-        raise ValueError(f"{name}: {value!r} is not a readable file")
-    return path
-
 
 SPEC = FeatureSpec(
     name="beam",
@@ -39,14 +19,15 @@ SPEC = FeatureSpec(
             "engine_beam_search",
             parse_bool,
             False,
-            "Run use_beam_search requests inside the engine: one engine request "
-            "per beam per step, each forking its parent beam's KV blocks "
-            "(copy-on-write tail) instead of re-prefilling, with no front-end "
-            "round trip between steps.",
+            "Run use_beam_search requests inside the engine: each beam step is "
+            "chosen next to the logits on the workers, and width member "
+            "requests carry the beams from the first step to the last (a moved "
+            "beam's KV copied, not re-prefilled), with no front-end round trip "
+            "between steps.",
         ),
         Option(
             "sid_catalog",
-            parse_catalog_path,
+            parse_file,  # parsed where the engine starts (catalog_file.load_catalog)
             "",
             "SID catalog file (format: docs/sid_catalog.md), built at start-up "
             "into a trie that beam-search requests asking for it are constrained "
