@@ -9,6 +9,10 @@ time.
     .venv/bin/python benchmarks/beam_width_profile.py           # tiny, engine beams
     .venv/bin/python benchmarks/beam_width_profile.py --plain   # vLLM's own loop
     .venv/bin/python benchmarks/beam_width_profile.py --compare --top 0
+    .venv/bin/python benchmarks/beam_width_profile.py --sampling --top 0 --widths 512
+
+``--sampling`` also times ``n = width`` sampling of the same length on the
+same engine (what a user compares a beam search with) and prints beams / n.
 
 ``--compare`` also times, in the same engine, the previous design of engine
 beam search (a new one-token request per beam per step, which the engine
@@ -45,6 +49,11 @@ def main() -> None:
         help="beams never end at EOS (semantic-ID stage 2): rows of W, not 2 x W",
     )
     parser.add_argument(
+        "--sampling",
+        action="store_true",
+        help="also time n = width sampling of the same length (same engine)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also time per-step member requests (the design before live beams)",
@@ -55,7 +64,7 @@ def main() -> None:
 
     vllm_kvreuse.register()
     from vllm import LLM
-    from vllm.sampling_params import BeamSearchParams
+    from vllm.sampling_params import BeamSearchParams, SamplingParams
 
     llm = LLM(
         args.model, dtype="float32", enforce_eager=True,
@@ -81,6 +90,16 @@ def main() -> None:
         llm.beam_search([{"prompt_token_ids": tokens}], params)
         return time.perf_counter() - start
 
+    def sample(width: int) -> float:
+        rng = random.Random(next(numbers))
+        tokens = [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
+        params = SamplingParams(
+            n=width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
+        )
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+        return time.perf_counter() - start
+
     mode = "vLLM's beam search" if args.plain else "engine beam search"
     rows = "ignore_eos" if args.ignore_eos else "EOS ends beams"
     print(f"{mode}, {args.model}, {args.prompt_tokens}-token prompts, {rows}")
@@ -103,6 +122,10 @@ def main() -> None:
             old = statistics.median(search(width) for _ in range(args.repeats))
             per_step(False)
             line += f"; per-step members {old * 1e3:.0f} ms; {old / live:.2f}x"
+        if args.sampling:
+            sample(width)  # warm-up
+            n = statistics.median(sample(width) for _ in range(args.repeats))
+            line += f"; n = {width} sampling {n * 1e3:.0f} ms; beams / n {live / n:.2f}"
         print(line)
     if not args.top:
         return

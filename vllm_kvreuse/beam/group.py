@@ -182,8 +182,11 @@ def member_request(
     sampling = copy.copy(root.sampling_params)
     sampling.extra_args = {PARENT: parent_id, **extra_args}
     if group.phase is Phase.LIVE:
-        # Tokens 2 .. max_tokens: the member ends with its group's last step.
-        sampling.max_tokens = group.config.max_tokens - 1
+        # Tokens 2 .. max_tokens, and one more: the group aborts the member
+        # after its last step. A member whose last token was sampled outside
+        # a group step (a preemption cut the batch) must not have ended by
+        # its length there: that sample is taken back and run again.
+        sampling.max_tokens = group.config.max_tokens
         sampling.logprobs = None
         never_stop(sampling)
     else:

@@ -89,15 +89,17 @@ def ready(request: Request | None) -> bool:
 def to_hold(upstream: Upstream, groups: Iterable[BeamGroup]) -> list[Request]:
     """The running members of every live group that cannot step whole this
     ``schedule()`` (all of them while samples made outside a group step are
-    in flight, else those ready while a sibling is not: a sibling still
-    recomputing runs), in queue order: they sit out
+    in flight or once its last step is scheduled, else those ready while a
+    sibling is not: a sibling still recomputing runs), in queue order: they sit out
     (:meth:`Upstream.hold`), keeping their seats. A step in flight holds
     nobody: the workers apply it before they run the next."""
     requests = upstream.requests
     blocked: set[str] = set()
     for group in groups:
         members = group.members
-        if group.outside:
+        if group.outside or any(
+            sampled_all(requests.get(rid), group) for rid in members
+        ):  # samples to take back, or the last step in flight: nothing to run
             blocked.update(members)
             continue
         ready_ones = [rid for rid in members if ready(requests.get(rid))]
@@ -106,6 +108,16 @@ def to_hold(upstream: Upstream, groups: Iterable[BeamGroup]) -> list[Request]:
     if not blocked:
         return []
     return [r for r in upstream.running_requests() if r.request_id in blocked]
+
+
+def sampled_all(request: Request | None, group: BeamGroup) -> bool:
+    """The member has sampled (or has in flight, with async scheduling) its
+    group's last token: tokens 2 .. ``max_tokens``. Its ``max_tokens`` has
+    one more (it must never end on its own), which it must not run."""
+    if request is None:
+        return False
+    sampled = request.num_output_tokens + request.num_output_placeholders
+    return sampled >= group.config.max_tokens - 1
 
 
 def cap(request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
