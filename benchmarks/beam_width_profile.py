@@ -80,9 +80,12 @@ def main() -> None:
         beam = core.scheduler.feature("beam")
     numbers = iter(range(10**9))
 
-    def search(width: int) -> float:
+    def fresh_prompt() -> list[int]:
         rng = random.Random(next(numbers))
-        tokens = [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
+        return [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
+
+    def search(width: int) -> float:
+        tokens = fresh_prompt()
         params = BeamSearchParams(
             beam_width=width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
         )
@@ -91,8 +94,7 @@ def main() -> None:
         return time.perf_counter() - start
 
     def sample(width: int) -> float:
-        rng = random.Random(next(numbers))
-        tokens = [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
+        tokens = fresh_prompt()
         params = SamplingParams(
             n=width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
         )

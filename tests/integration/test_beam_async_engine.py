@@ -20,6 +20,7 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm.sampling_params import BeamSearchParams
 
 from tests.integration.conftest import make_llm, scheduler_of
+from tests.integration.test_beam_search_engine import prompts
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -49,17 +50,6 @@ def llm(model_dir: str) -> Iterator[LLM]:
     assert core.async_scheduling and core.batch_queue_size == 2
     yield engine
     del engine
-
-
-def prompts(count: int, first_seed: int = 0) -> list[dict]:
-    return [
-        {
-            "prompt_token_ids": [
-                (s * 131 + i * 17) % 3500 + 50 for i in range(30 + 9 * s)
-            ]
-        }
-        for s in range(first_seed, first_seed + count)
-    ]
 
 
 def summary(outputs) -> list[list[list[int]]]:

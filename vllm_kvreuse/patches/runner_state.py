@@ -17,25 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_kvreuse.patches.registry import V0_32_0, Runner
-from vllm_kvreuse.patches.upstream_state import ATTRIBUTE
+from vllm_kvreuse.patches.upstream_state import ATTRIBUTE, UpstreamState
 
 
 @dataclass(frozen=True, slots=True)
-class RunnerState:
-    """One runner-side attribute: ``target`` is ``"module:Owner.attr"``."""
+class RunnerState(UpstreamState):
+    """One runner-side attribute (an :class:`UpstreamState` of ``runner``'s
+    code): ``target`` is ``"module:Owner.attr"``."""
 
-    runner: Runner
-    target: str
-    why: str
-    releases: dict[str, str]
-
-    @property
-    def owner(self) -> str:
-        return self.target.rsplit(".", 1)[0]
-
-    @property
-    def name(self) -> str:
-        return self.target.rsplit(".", 1)[1]
+    runner: Runner = "v1"
 
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
@@ -43,11 +33,11 @@ _V2 = "vllm.v1.worker.gpu"
 
 
 def _v1(target: str, why: str) -> RunnerState:
-    return RunnerState("v1", target, why, {V0_32_0: ATTRIBUTE})
+    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, "v1")
 
 
 def _v2(target: str, why: str) -> RunnerState:
-    return RunnerState("v2", target, why, {V0_32_0: ATTRIBUTE})
+    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, "v2")
 
 
 RUNNER_STATE: tuple[RunnerState, ...] = (
