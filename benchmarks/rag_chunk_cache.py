@@ -22,8 +22,9 @@ cache, and for the chunk server two rates that answer different questions:
   phase (the store's ``vllm_kvreuse:chunk_cache_{hits,misses}`` counters);
 - cached share: prompt tokens not computed / prompt tokens (the responses'
   ``cached_tokens``): chunks loaded from the store plus prefix-cache hits.
-  The question is always computed, and a chunk filled for this very request
-  is computed too, so it stays below 1 even when every chunk is a hit.
+  The question is always computed, and so is a chunk new to this very
+  request (computed in place), so it stays below 1 even when every chunk is
+  a hit.
 
     .venv/bin/python benchmarks/rag_chunk_cache.py [--model DIR] [--doc-words N]
 """

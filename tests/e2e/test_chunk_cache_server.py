@@ -68,6 +68,27 @@ def rag_chunks(order: list[int], question: str = "Which topic?") -> list[str]:
     return [SYSTEM, *(DOCS[n] for n in order), question]
 
 
+def test_new_documents_are_answered_as_plain_vllm_answers_them(servers) -> None:
+    """First sight: documents neither server has seen are computed in place,
+    so the chunked request gets plain vLLM's tokens and log-probs for the
+    same token ids, with nothing cached."""
+    plain, chunked = servers
+    chunks = [SYSTEM + " New. ", "Fresh document: " + DOCS[0], "First sight?"]
+    body = {"return_token_ids": True, "logprobs": 3}
+    got = complete(chunked, chunks=chunks, **body).json()
+    token_ids = got["choices"][0]["prompt_token_ids"]
+    want = complete(plain, prompt=token_ids, **body).json()
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    for ours, theirs in zip(
+        got["choices"][0]["logprobs"]["top_logprobs"],
+        want["choices"][0]["logprobs"]["top_logprobs"],
+        strict=True,
+    ):
+        assert ours.keys() == theirs.keys()
+        assert all(abs(ours[t] - theirs[t]) < 1e-4 for t in ours)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_cold_and_warm_give_the_same_answer_and_warm_is_cached(servers) -> None:
     """With no recompute (``chunk_recompute: "none"``) everything but the
     question is cached."""

@@ -1,5 +1,6 @@
 """Shared pieces of the chunk-cache integration tests: prompts, an engine
-factory, and the Hugging Face chunk-isolated reference."""
+factory, and the Hugging Face references (full attention, and a chunked
+prompt's loads and computed spans)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from vllm import LLM, RequestOutput, SamplingParams
 
 from tests.integration.conftest import make_llm, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
-from vllm_kvreuse.chunk_cache.store import ChunkIndex
+from vllm_kvreuse.chunk_cache.index import ChunkIndex
+from vllm_kvreuse.chunk_cache.recompute import Recompute, choose_spans, clip, merge
 from vllm_kvreuse.core.accounting import check_block_accounting
 from vllm_kvreuse.request_args import internal_args
-from vllm_kvreuse.testing.reference import chunk_attention_mask
+from vllm_kvreuse.testing.reference import chunk_attention_mask, segmented_reference
 
 SYSTEM = list(range(100, 140))
 DOC_A = list(range(200, 290))
@@ -32,7 +34,7 @@ def chunk_cache_llm(model_dir: str, **kwargs) -> Iterator[LLM]:
     chunk-cache engine may live in a process at a time; shutting it down
     releases the connector for the next.
     """
-    # These tests check chunk isolation itself: no recompute unless asked
+    # These tests check loads and computed chunks: no recompute unless asked
     # (test_chunk_cache_segments.py checks recomputed spans and the defaults).
     for name in ("chunk_recompute_head", "chunk_recompute_select"):
         kwargs.setdefault(name, 0)
@@ -46,7 +48,7 @@ def chunk_cache_llm(model_dir: str, **kwargs) -> Iterator[LLM]:
 
 
 def index_of(llm: LLM) -> ChunkIndex:
-    return scheduler_of(llm).connector.scheduler_side.index
+    return scheduler_of(llm).connector.scheduler_side.store.index
 
 
 def generate(
@@ -89,3 +91,61 @@ def hf_reference(
             first_logprobs = torch.log_softmax(logits, dim=-1)
         generated.append(int(logits.argmax()))
     return generated, first_logprobs
+
+
+def full_attention(model: Any, segments: list[list[int]], steps: int):
+    """Greedy tokens and first-step log-probs of the segments as one prompt."""
+    return hf_reference(model, segments, steps, full_from=0)
+
+
+def sources_after(
+    seen: list[list[list[int]]], segments: list[list[int]]
+) -> list[list[int] | None]:
+    """What each chunk of ``segments`` was stored after, given the earlier
+    prompts ``seen``: the tokens before the chunk's first appearance; None
+    for a chunk seen nowhere (computed in place). Every prompt in ``seen``
+    must have been computed exactly (each of its chunks new, or stored
+    after the same tokens), as full attention computes it."""
+    first: dict[tuple[int, ...], list[int]] = {}
+    for prompt in seen:
+        before: list[int] = []
+        for chunk in prompt[:-1]:
+            first.setdefault(tuple(chunk), list(before))
+            before += chunk
+    return [first.get(tuple(chunk)) for chunk in segments[:-1]]
+
+
+def expected_spans(
+    segments: list[list[int]],
+    sources: list[list[int] | None],
+    settings: Recompute,
+) -> list[tuple[int, int]]:
+    """The positions a chunked request computes: its new chunks, and the
+    recomputed tokens of chunks stored after other tokens than here."""
+    token_ids, lengths = chunked_prompt(segments)
+    rules = choose_spans(token_ids, lengths, settings)
+    spans, moved, start = [], [], 0
+    for length, source in zip(lengths, sources, strict=True):
+        if source is None:
+            spans.append((start, start + length))
+        elif source != token_ids[:start]:
+            moved.append((start, start + length))
+        start += length
+    return merge(spans + clip(rules, moved))
+
+
+def stored_reference(
+    model: Any,
+    seen: list[list[list[int]]],
+    segments: list[list[int]],
+    steps: int,
+    settings: Recompute = Recompute(),  # noqa: B008
+):
+    """Greedy tokens and first-step log-probs of ``segments`` sent after the
+    prompts ``seen``, as the chunk cache computes them: stored chunks loaded
+    as computed where first seen (recomputed tokens computed here), new
+    chunks computed in place."""
+    token_ids, lengths = chunked_prompt(segments)
+    sources = sources_after(seen, segments)
+    spans = expected_spans(segments, sources, settings)
+    return segmented_reference(model, token_ids, lengths, spans, steps, sources)

@@ -1,5 +1,7 @@
 """The chunk cache through a real vLLM engine (offline LLM API), checked
-against Hugging Face transformers run with an explicit chunk-isolated mask."""
+against Hugging Face transformers: full attention for a request whose chunks
+are new, and each stored chunk as computed where it was first seen (moved by
+RoPE) for a request that reuses it."""
 
 from __future__ import annotations
 
@@ -9,22 +11,30 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-from tests.conftest import ENGINE_KWARGS
+from tests.conftest import BLOCK_SIZE, ENGINE_KWARGS
 from tests.integration.chunks import (
     DOC_A,
     DOC_B,
-    DOC_C,
     QUESTION,
     SYSTEM,
     chunk_cache_llm,
+    full_attention,
     generate,
-    hf_reference,
     index_of,
+    stored_reference,
 )
+from tests.integration.conftest import scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 from vllm_kvreuse.request_args import internal_args
 
 pytestmark = pytest.mark.usefixtures("no_leak")
+PLAIN = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def doc(first: int, length: int = 60) -> list[int]:
+    """A document no other test of the module sends (each test starts from
+    a store whose state for its documents is known)."""
+    return list(range(first, first + length))
 
 
 @pytest.fixture(scope="module")
@@ -35,56 +45,98 @@ def llm(model_dir: str) -> Iterator[LLM]:
         yield engine
 
 
-def test_cold_and_warm_match_the_hf_chunk_isolated_reference(llm, hf_model) -> None:
-    segments = [SYSTEM, DOC_A, DOC_B, QUESTION]
-    expected, logprobs = hf_reference(hf_model, segments, steps=6)
-    cold = generate(llm, segments)
-    warm = generate(llm, segments)
-    assert list(cold.outputs[0].token_ids) == expected
-    assert cold.num_cached_tokens == 0  # its chunks were computed by its fills
-    assert warm.num_cached_tokens == len(SYSTEM + DOC_A + DOC_B)
-    assert list(warm.outputs[0].token_ids) == expected
-    for out in (cold, warm):
-        for token, logprob in out.outputs[0].logprobs[0].items():
-            assert logprob.logprob == pytest.approx(float(logprobs[token]), abs=1e-3)
-
-
-def test_chunks_are_reused_at_other_positions(llm, hf_model) -> None:
-    """Swapped documents after a new system prompt: every cached chunk is reused
-    wherever it stands (keys re-rotated), and the answer is still the
-    reference's."""
-    generate(llm, [SYSTEM, DOC_A, DOC_C, QUESTION])  # caches DOC_C
-    stats = index_of(llm).stats
-    hits_before = stats.hit_tokens
-    segments = [list(range(600, 620)), DOC_C, DOC_A, QUESTION]
-    expected, _ = hf_reference(hf_model, segments, steps=6)
-    out = generate(llm, segments)
+def _assert_matches(out, expected: list[int], logprobs) -> None:
     assert list(out.outputs[0].token_ids) == expected
-    assert stats.hit_tokens - hits_before == len(DOC_C) + len(DOC_A)
-    assert out.num_cached_tokens >= len(DOC_C) + len(DOC_A)
+    for token, entry in out.outputs[0].logprobs[0].items():
+        assert entry.logprob == pytest.approx(float(logprobs[token]), abs=1e-3)
 
 
-def test_chunked_blocks_never_match_an_ordinary_request(llm) -> None:
-    """An ordinary request with the same tokens gets full-attention KV: its
-    output is the plain model's (as with an empty cache), not the chunked
-    one's."""
-    segments = [SYSTEM, DOC_B, DOC_A, QUESTION]
+def test_a_request_of_new_chunks_is_computed_as_plain_vllm(llm, hf_model) -> None:
+    """First sight: every chunk computed in place, in the request itself (no
+    other request runs), equal to an ordinary request of the same tokens and
+    to full attention; its chunks are stored."""
+    segments = [SYSTEM, DOC_A, DOC_B, QUESTION]
     token_ids, _ = chunked_prompt(segments)
-    chunked = generate(llm, segments, max_tokens=8)
-    plain_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    (plain,) = llm.generate([{"prompt_token_ids": token_ids}], plain_params)
-    (fresh,) = make_llm_free_plain(llm, token_ids, plain_params)
-    # The system prompt's fill is ordinary KV of a prompt prefix (no
-    # isolation needed at the start), so only its full block may match.
-    assert plain.num_cached_tokens <= len(SYSTEM)
-    assert list(plain.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)
-    assert list(chunked.outputs[0].token_ids) != list(plain.outputs[0].token_ids)
-
-
-def make_llm_free_plain(llm: LLM, token_ids: list[int], params: SamplingParams):
-    """The same ordinary request again, after clearing the prefix cache."""
+    stats = index_of(llm).stats
+    saved = stats.saved
+    cold = generate(llm, segments)
+    assert stats.saved - saved == 3
+    assert cold.num_cached_tokens == 0
+    expected, logprobs = full_attention(hf_model, segments, steps=6)
+    _assert_matches(cold, expected, logprobs)
     llm.reset_prefix_cache()
-    return llm.generate([{"prompt_token_ids": token_ids}], params)
+    (plain,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN)
+    assert plain.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert not scheduler_of(llm).requests
+
+
+def test_its_blocks_are_shared_with_ordinary_requests(llm) -> None:
+    """A request that computed or loaded only full attention's KV keeps its
+    own salt: an ordinary request with its tokens hits its blocks."""
+    first, second = doc(1500), doc(1600)
+    segments = [SYSTEM, first, second, QUESTION]
+    token_ids, _ = chunked_prompt(segments)
+    generate(llm, [SYSTEM, first, QUESTION])
+    chunked = generate(llm, segments)  # SYSTEM, first stored after what precedes
+    (plain,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN)
+    assert plain.num_cached_tokens == len(token_ids) // BLOCK_SIZE * BLOCK_SIZE
+    assert plain.outputs[0].token_ids == chunked.outputs[0].token_ids
+
+
+def test_the_same_chunks_again_load_what_full_attention_computed(llm, hf_model) -> None:
+    """Same documents, same order, another question: every chunk is loaded
+    as stored, which is what full attention computes here."""
+    documents = [doc(1700, 70), doc(1800, 50)]
+    generate(llm, [SYSTEM, *documents, QUESTION])
+    llm.reset_prefix_cache()  # the blocks go; the stored chunks stay
+    stats = index_of(llm).stats
+    hits, exact = stats.hit_tokens, stats.exact_hits
+    segments = [SYSTEM, *documents, [7, 8, 9, *QUESTION]]
+    out = generate(llm, segments)
+    expected, logprobs = full_attention(hf_model, segments, steps=6)
+    _assert_matches(out, expected, logprobs)
+    chunk_tokens = len(SYSTEM) + 120
+    assert stats.hit_tokens - hits == chunk_tokens
+    assert stats.exact_hits - exact == 3
+    assert out.num_cached_tokens == chunk_tokens
+
+
+def test_chunks_are_reused_in_new_company_and_new_ones_computed_in_place(
+    llm, hf_model
+) -> None:
+    """A new system prompt, a stored document, a new one, another stored one:
+    the stored ones are loaded as computed where first seen (moved by RoPE),
+    the new ones computed in place after them, and stored."""
+    doc_a, doc_b, doc_d = doc(1900, 90), doc(2000, 33), doc(2100, 80)
+    seen = [[SYSTEM, doc_a, doc_b, QUESTION]]
+    generate(llm, seen[0])
+    segments = [list(range(600, 620)), doc_b, doc_d, doc_a, QUESTION]
+    expected, logprobs = stored_reference(hf_model, seen, segments, steps=6)
+    full, _ = full_attention(hf_model, segments, steps=6)
+    assert expected != full, "the reuse must show in the answer"
+    stats = index_of(llm).stats
+    hits, saved = stats.hit_tokens, stats.saved
+    out = generate(llm, segments)
+    _assert_matches(out, expected, logprobs)
+    assert stats.hit_tokens - hits == len(doc_b + doc_a)
+    assert stats.saved - saved == 2  # the new system prompt and doc_d
+    assert out.num_cached_tokens == len(doc_b + doc_a)
+
+
+def test_a_request_with_moved_chunks_never_matches_an_ordinary_one(llm) -> None:
+    """Its blocks hold values full attention does not compute: an ordinary
+    request with the same tokens finds none of them after the first chunk's
+    position, and answers as on an empty cache."""
+    doc_a, doc_b = doc(2200, 70), doc(2300, 45)
+    generate(llm, [SYSTEM, doc_a, doc_b, QUESTION])
+    segments = [SYSTEM, doc_b, doc_a, QUESTION]
+    token_ids, _ = chunked_prompt(segments)
+    generate(llm, segments)
+    (plain,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN)
+    assert plain.num_cached_tokens <= len(SYSTEM)
+    llm.reset_prefix_cache()
+    (fresh,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN)
+    assert plain.outputs[0].token_ids == fresh.outputs[0].token_ids
 
 
 def test_prompt_token_ids_are_the_concatenated_segments(llm) -> None:
@@ -105,11 +157,12 @@ def test_bad_lengths_run_as_an_ordinary_request(llm) -> None:
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
 
 
-def test_concurrent_requests_share_one_fill_per_chunk(llm) -> None:
-    """Two requests arriving together, both missing DOC_D: one fill."""
-    doc_d = list(range(700, 760))
+def test_concurrent_requests_with_a_new_chunk_both_compute_it(llm) -> None:
+    """Two requests arriving together, both bringing DOC_D: neither waits for
+    the other; one stores it."""
+    doc_d = doc(2400)
     stats = index_of(llm).stats
-    misses, miss_tokens = stats.misses, stats.miss_tokens
+    misses, saved = stats.misses, stats.saved
     token_a, lengths_a = chunked_prompt([SYSTEM, doc_d, [5, 6, 7]])
     token_b, lengths_b = chunked_prompt([SYSTEM, doc_d, [8, 9, 10, 11]])
     params = [
@@ -121,62 +174,71 @@ def test_concurrent_requests_share_one_fill_per_chunk(llm) -> None:
         [{"prompt_token_ids": token_a}, {"prompt_token_ids": token_b}], params
     )
     assert all(len(out.outputs[0].token_ids) == 2 for out in outs)
-    # DOC_D once (and SYSTEM once, if no earlier test stored it).
-    new_tokens = stats.miss_tokens - miss_tokens
-    assert new_tokens in (len(doc_d), len(doc_d) + len(SYSTEM))
-    assert stats.misses - misses == (1 if new_tokens == len(doc_d) else 2)
+    assert stats.misses - misses in (2, 4)  # and SYSTEM, if not stored before
+    assert stats.saved - saved in (1, 2)
+    assert index_of(llm).get(index_key(llm, doc_d)) is not None
+
+
+def index_key(llm: LLM, tokens: list[int]) -> bytes:
+    return scheduler_of(llm).connector.scheduler_side.store.key(None, "", tokens)
 
 
 def test_stored_chunks_count_as_hits_for_the_cache_threshold(llm) -> None:
-    segments = [list(range(800, 840)), list(range(900, 990)), list(range(30, 40))]
+    segments = [doc(3200, 40), doc(3300, 90), list(range(30, 40))]
     token_ids, lengths = chunked_prompt(segments)
 
-    def ask(threshold: float):
+    def ask(threshold: float | None):
+        extra_args = internal_args(kvreuse_chunks=lengths)
+        if threshold is not None:
+            extra_args["cache_hit_threshold"] = threshold
         params = SamplingParams(
-            max_tokens=2, temperature=0.0, ignore_eos=True,
-            extra_args={
-                **internal_args(kvreuse_chunks=lengths),
-                "cache_hit_threshold": threshold,
-            },
-        )  # fmt: skip
+            max_tokens=2, temperature=0.0, ignore_eos=True, extra_args=extra_args
+        )
         (out,) = llm.generate([{"prompt_token_ids": token_ids}], params)
+        llm.reset_prefix_cache()  # hits from the store, not the prefix cache
         return out.outputs[0].finish_reason
 
     assert ask(0.5) == "cache_threshold"  # cold: its chunks are not stored
-    # The rejected request's fills still ran (documented), so a retry hits:
+    assert ask(0.5) == "cache_threshold"  # a rejected request stores nothing
+    assert ask(None) == "length"  # computes and stores them
     # 130 of its 140 tokens are stored chunks.
     assert ask(0.9) == "length"
     assert ask(0.95) == "cache_threshold"
 
 
-def test_abort_while_waiting_for_chunks_frees_everything(llm, hf_model) -> None:
-    """A request parked for its chunks' fills is aborted: its blocks and pins
-    go back, the fills finish, and the next request is still correct."""
-    segments = [SYSTEM, list(range(1200, 1290)), QUESTION]
+def test_abort_before_a_chunk_is_saved_frees_everything(llm, hf_model) -> None:
+    """A request aborted before its first step: its reservations and pins
+    go back, and the next request computes and stores the chunk."""
+    segments = [SYSTEM, doc(2500, 90), QUESTION]
     token_ids, lengths = chunked_prompt(segments)
     params = SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True,
         extra_args=internal_args(kvreuse_chunks=lengths),
     )  # fmt: skip
     engine = llm.llm_engine
-    engine.add_request("parked", {"prompt_token_ids": token_ids}, params)
-    engine.step()  # the fills run; the request waits for its chunks
-    engine.abort_request(["parked"])
+    engine.add_request("aborted", {"prompt_token_ids": token_ids}, params)
+    engine.abort_request(["aborted"])
     while engine.has_unfinished_requests():
         engine.step()
-    assert not index_of(llm).entries or all(
-        not entry.pins for entry in index_of(llm).entries.values()
-    )
-    expected, _ = hf_reference(hf_model, segments, steps=4)
+    index = index_of(llm)
+    assert all(entry.ready and not entry.pins for entry in index.entries.values())
+    expected, _ = full_attention(hf_model, segments, steps=4)
     out = generate(llm, segments, max_tokens=4)
     assert list(out.outputs[0].token_ids) == expected
 
 
-def test_a_continuation_of_a_chunked_request_inherits_its_blocks(llm, hf_model) -> None:
-    """The child keeps the parent's chunks (same salt), so it inherits the
-    parent's blocks, and it answers as the chunk-isolated reference does with
-    the parent's output and the suffix appended to the question."""
-    segments = [SYSTEM, list(range(1300, 1360)), QUESTION]
+@pytest.mark.parametrize("reordered", [False, True], ids=["new", "reordered"])
+def test_a_continuation_of_a_chunked_request_inherits_its_blocks(
+    llm, hf_model, reordered: bool
+) -> None:
+    """The child keeps the parent's chunks and is planned to the same values
+    (same salt), so it inherits the parent's blocks, and it answers as the
+    parent would with its output and the suffix appended to the question."""
+    new, other = doc(2600 + 200 * reordered), doc(2700 + 200 * reordered, 40)
+    seen = [[SYSTEM, other, new, QUESTION]] if reordered else []
+    for prompt in seen:
+        generate(llm, prompt)
+    segments = [SYSTEM, new, other, QUESTION] if reordered else [SYSTEM, new, QUESTION]
     token_ids, lengths = chunked_prompt(segments)
     params = SamplingParams(
         max_tokens=5, temperature=0.0, ignore_eos=True,
@@ -191,7 +253,7 @@ def test_a_continuation_of_a_chunked_request_inherits_its_blocks(llm, hf_model) 
     )
     parent_tokens = list(parent.outputs[0].token_ids)
     question = QUESTION + parent_tokens + suffix
-    expected, _ = hf_reference(hf_model, [*segments[:-1], question], steps=4)
+    expected, _ = stored_reference(hf_model, seen, [*segments[:-1], question], 4)
     assert list(child.outputs[0].token_ids) == expected
     inherited = len(token_ids) + len(parent_tokens) - 1  # all but its last token
     assert child.num_cached_tokens >= inherited
@@ -212,7 +274,7 @@ def test_steps_without_chunk_work_make_no_per_layer_call(llm) -> None:
         plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": list(range(40, 140))}], plain)
         assert layer_calls == []
-        generate(llm, [SYSTEM, list(range(1400, 1450)), QUESTION], max_tokens=2)
+        generate(llm, [SYSTEM, doc(3100, 50), QUESTION], max_tokens=2)
         assert layer_calls, "a step that saves or loads a chunk is bound"
     finally:
         del connector.wait_for_layer_load

@@ -1,16 +1,16 @@
-"""Segmented prefill: chunk tokens recomputed in the request, not a suffix.
+"""Segmented prefill: loads, chunks computed in place and recomputed tokens.
 
 Each test checks the engine against the Hugging Face model run step by step
 with its own KV cache (:func:`~vllm_kvreuse.testing.reference.segmented_reference`):
-loaded rows as stored, recomputed rows attending causally to everything
-before them. One chunk-cache engine per test (one per process at a time).
+loaded rows as computed where their chunk was first seen, computed rows
+attending causally to everything before them. One chunk-cache engine per
+test (one per process at a time).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from tests.conftest import BLOCK_SIZE
 from tests.integration.chunks import (
@@ -19,15 +19,17 @@ from tests.integration.chunks import (
     QUESTION,
     SYSTEM,
     chunk_cache_llm,
+    expected_spans,
+    full_attention,
     generate,
-    hf_reference,
     index_of,
+    sources_after,
+    stored_reference,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
-from vllm_kvreuse.chunk_cache.recompute import Recompute, choose_spans
+from vllm_kvreuse.chunk_cache.recompute import Recompute
 from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.testing.reference import segmented_reference
 
 STEPS = 6
 # chunk_cache_llm turns recompute off unless told; these are the defaults.
@@ -46,19 +48,14 @@ ABOUT_B = QUESTION + DOC_B[5:8]
 def _check(
     llm,
     hf_model,
+    seen: list[list[list[int]]],
     segments: list[list[int]],
     settings: Recompute,
-    context: list[int] | None = None,
     recompute: object = None,
 ) -> torch.Tensor:
-    """The engine's answer equals the reference's; returns the reference's
-    first-step log-probs."""
-    token_ids, lengths = chunked_prompt(segments)
-    spans = choose_spans(token_ids, lengths, settings)
-    assert spans or context, "the settings must recompute something"
-    expected, logprobs = segmented_reference(
-        hf_model, token_ids, lengths, spans, STEPS, context=context or ()
-    )
+    """The engine's answer to ``segments`` (after ``seen``) equals the
+    reference's; returns the reference's first-step log-probs."""
+    expected, logprobs = stored_reference(hf_model, seen, segments, STEPS, settings)
     out = generate(llm, segments, max_tokens=STEPS, recompute=recompute)
     assert list(out.outputs[0].token_ids) == expected
     for token, entry in out.outputs[0].logprobs[0].items():
@@ -85,13 +82,18 @@ def _check(
 def test_recomputed_spans_match_the_hf_reference(
     model_dir: str, hf_model, flags: dict, settings: Recompute
 ) -> None:
-    """Cold (fills, then segments) and warm in another order, both equal
-    the reference; the pool is back where it started."""
+    """Cold (every chunk computed in place) equals full attention; warm in
+    another order equals the reference: moved chunks loaded with their
+    recomputed spans, the question after them; the pool is back where it
+    started."""
     with chunk_cache_llm(model_dir, **flags) as llm:
         free = num_free_blocks(llm)
-        _check(llm, hf_model, [SYSTEM, DOC_A, DOC_B, ABOUT_B], settings)
+        cold = [SYSTEM, DOC_A, DOC_B, ABOUT_B]
+        _check(llm, hf_model, [], cold, settings)
         hits = index_of(llm).stats.hit_tokens
-        _check(llm, hf_model, [SYSTEM, DOC_B, DOC_A, ABOUT_B], settings)
+        warm = [SYSTEM, DOC_B, DOC_A, ABOUT_B]
+        assert expected_spans(warm, sources_after([cold], warm), settings)
+        _check(llm, hf_model, [cold], warm, settings)
         assert index_of(llm).stats.hit_tokens > hits
         assert num_free_blocks(llm) == free
 
@@ -99,10 +101,11 @@ def test_recomputed_spans_match_the_hf_reference(
 def test_a_segmented_request_sent_again_hits_the_prefix_cache(
     model_dir: str, hf_model
 ) -> None:
-    """Its blocks (loaded and recomputed) are hashed under a salt naming the
-    spans: the same request finds them all, another split finds none."""
+    """Its blocks (loaded and recomputed) are hashed under a salt naming
+    their values: the same request finds them all."""
     with chunk_cache_llm(model_dir, chunk_recompute_head=8) as llm:
-        segments = [SYSTEM, DOC_A, DOC_B, QUESTION]
+        generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION])
+        segments = [SYSTEM, DOC_B, DOC_A, QUESTION]
         first = generate(llm, segments)
         again = generate(llm, segments)
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -113,7 +116,7 @@ def test_a_segmented_request_sent_again_hits_the_prefix_cache(
 
 def test_the_default_settings_match_the_hf_reference(model_dir: str, hf_model) -> None:
     """``--enable-chunk-cache`` alone recomputes what its defaults say
-    (docs/chunk_cache.md: the setting that keeps the most answers at >= 3x)."""
+    (docs/chunk_cache.md: the setting that keeps answers)."""
     defaults = KVReuseConfig()
     settings = Recompute(
         head=defaults.chunk_recompute_head,
@@ -121,48 +124,48 @@ def test_the_default_settings_match_the_hf_reference(model_dir: str, hf_model) -
         tail=defaults.chunk_recompute_fraction,
     )
     with chunk_cache_llm(model_dir, **DEFAULTS) as llm:
-        _check(llm, hf_model, [SYSTEM, DOC_A, DOC_B, ABOUT_B], settings)
+        cold = [SYSTEM, DOC_A, DOC_B, ABOUT_B]
+        _check(llm, hf_model, [], cold, settings)
+        _check(llm, hf_model, [cold], [SYSTEM, DOC_B, DOC_A, ABOUT_B], settings)
 
 
 def test_a_request_may_ask_for_no_recompute(model_dir: str, hf_model) -> None:
-    """``chunk_recompute: "none"`` loads every chunk whatever the server's
-    settings (the fastest setting), as the chunk-isolated reference says."""
+    """``chunk_recompute: "none"`` loads every stored chunk whatever the
+    server's settings (the fastest setting), as the reference says."""
     with chunk_cache_llm(model_dir, chunk_recompute_head=8) as llm:
-        generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION], recompute="none")
-        segments = [SYSTEM, DOC_B, DOC_A, QUESTION]  # every chunk stored
-        expected, _ = hf_reference(hf_model, segments, steps=STEPS)
-        out = generate(llm, segments, recompute="none")
-        assert list(out.outputs[0].token_ids) == expected
+        cold = [SYSTEM, DOC_A, DOC_B, QUESTION]
+        generate(llm, cold, recompute="none")
+        warm = [SYSTEM, DOC_B, DOC_A, QUESTION]  # every chunk stored
+        _check(llm, hf_model, [cold], warm, Recompute(), recompute="none")
+        full, _ = full_attention(hf_model, warm, STEPS)
+        out = generate(llm, warm, recompute="none")
+        assert list(out.outputs[0].token_ids) != full, "the reuse must show"
         assert out.num_cached_tokens >= len(SYSTEM + DOC_A + DOC_B) - BLOCK_SIZE
 
 
-def test_chunks_computed_after_a_fill_context_match_the_hf_reference(
-    model_dir: str, hf_model, tmp_path
+def test_a_partly_warm_request_loads_and_computes_in_place(
+    model_dir: str, hf_model
 ) -> None:
-    """With ``--chunk-fill-context FILE`` every chunk but the system prompt
-    is stored as computed after the file's tokens, and loaded by moving its
-    keys back (the context is longer than the system prompt): cold and warm
-    in another order, with recomputed heads and with none, equal the
-    reference built that way, which differs from the one without context."""
-    text = "An earlier record about a harbour town and its old lighthouse. " * 4
-    path = tmp_path / "context.txt"
-    path.write_text(text)
-    context = AutoTokenizer.from_pretrained(model_dir).encode(
-        text, add_special_tokens=False
-    )
-    assert len(context) > len(SYSTEM), "keys must move backwards"
-    with chunk_cache_llm(
-        model_dir, chunk_fill_context=str(path), chunk_recompute_head=8
-    ) as llm:
+    """One stored document moved, a new one computed after it (with heads
+    and a tail recomputed in the moved one); the new one is stored as
+    computed there: a request repeating the same prompt loads it in context,
+    with nothing of it recomputed, and answers the same."""
+    settings = Recompute(head=8, tail=0.1)
+    flags = {"chunk_recompute_head": 8, "chunk_recompute_fraction": 0.1}
+    with chunk_cache_llm(model_dir, **flags) as llm:
         free = num_free_blocks(llm)
-        first = [SYSTEM, DOC_A, DOC_B, QUESTION]
-        with_context = _check(llm, hf_model, first, Recompute(head=8), context)
-        hits = index_of(llm).stats.hit_tokens
-        reordered = [SYSTEM, DOC_B, DOC_A, QUESTION]
-        _check(llm, hf_model, reordered, Recompute(), context, recompute="none")
-        assert index_of(llm).stats.hit_tokens > hits
+        cold = [SYSTEM, DOC_A, QUESTION]
+        generate(llm, cold)
+        warm = [SYSTEM, DOC_B, DOC_A, ABOUT_B]
+        warm_again = [SYSTEM, DOC_B, DOC_A, QUESTION]
+        _check(llm, hf_model, [cold], warm, settings)
+        stats = index_of(llm).stats
+        exact = stats.exact_hits
+        llm.reset_prefix_cache()
+        again = generate(llm, warm_again)
+        assert stats.exact_hits - exact == 2  # SYSTEM and DOC_B, in context
+        chunk_tokens = sum(chunked_prompt(warm_again)[1])
+        # DOC_A is still moved: its head and the tail are recomputed again.
+        recomputed = 8 + round(0.1 * chunk_tokens)
+        assert again.num_cached_tokens == chunk_tokens - recomputed
         assert num_free_blocks(llm) == free
-    token_ids, lengths = chunked_prompt(first)
-    spans = choose_spans(token_ids, lengths, Recompute(head=8))
-    _, without = segmented_reference(hf_model, token_ids, lengths, spans, STEPS)
-    assert (with_context - without).abs().max() > 1e-2, "the context changed nothing"

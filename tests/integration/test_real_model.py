@@ -16,9 +16,8 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.sampling_params import BeamSearchParams
 
-from tests.integration.chunks import chunk_cache_llm, generate
+from tests.integration.chunks import chunk_cache_llm, generate, stored_reference
 from vllm_kvreuse.chunk_cache.frontend import tokenize_segments
-from vllm_kvreuse.testing.reference import chunk_attention_mask
 
 pytestmark = [
     pytest.mark.usefixtures("no_leak"),
@@ -76,14 +75,11 @@ def hf_greedy(
     model: Any, segments: list[list[int]], steps: int
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and first-step log-probs after ``segments`` in
-    transformers: every segment but the last a chunk isolated by the chunk
-    mask, at its actual positions (one segment: plain full attention)."""
+    transformers, full attention."""
     token_ids = [token for segment in segments for token in segment]
-    lengths = [len(segment) for segment in segments[:-1]]
     total = len(token_ids)
     out = model(
         input_ids=torch.tensor([token_ids]),
-        attention_mask=chunk_attention_mask(lengths, total) if lengths else None,
         position_ids=torch.arange(total)[None],
         use_cache=True,
     )
@@ -106,24 +102,24 @@ def greedy(max_tokens: int, **extra_args: Any) -> SamplingParams:
     )
 
 
-def test_chunked_prompt_matches_hf_with_the_chunk_mask(llm, hf_model, tokenizer):
-    """Cold, warm and with the documents swapped (chunks re-rotated to other
-    positions): the reference's greedy tokens and first-step log-probs, and
-    the answer from the documents."""
-    for docs in ([TOWER, BRIDGE], [BRIDGE, TOWER]):  # the second: swapped
-        segments = tokenize_segments([SYSTEM, *docs, ASK_TOWER], tokenizer)
-        expected, logprobs = hf_greedy(hf_model, segments, steps=8)
-        for _ in ("cold or swapped", "warm"):
+def test_chunked_prompt_matches_hf(llm, hf_model, tokenizer):
+    """First sight (every chunk computed in place) is full attention; warm
+    is the same; with the documents swapped, each is loaded as computed
+    where first seen, moved by RoPE: the reference's greedy tokens and
+    first-step log-probs, and the answer from the documents."""
+    cold = tokenize_segments([SYSTEM, TOWER, BRIDGE, ASK_TOWER], tokenizer)
+    swapped = tokenize_segments([SYSTEM, BRIDGE, TOWER, ASK_TOWER], tokenizer)
+    for segments, seen in ((cold, []), (swapped, [cold])):
+        expected, logprobs = stored_reference(hf_model, seen, segments, steps=8)
+        for _ in ("first", "again"):
             out = generate(llm, segments, max_tokens=8)
             assert list(out.outputs[0].token_ids) == expected
             for token, logprob in out.outputs[0].logprobs[0].items():
                 assert logprob.logprob == pytest.approx(
                     float(logprobs[token]), abs=2e-3
                 )
-        assert out.num_cached_tokens >= sum(map(len, segments[:-1]))
-    # Right from the documents in this order; a 135M model with isolated
-    # chunks is not always (the tower first, it answers "Oslo").
-    assert "Lisbon" in tokenizer.decode(expected)
+        assert "Lisbon" in tokenizer.decode(expected)
+    assert out.num_cached_tokens >= sum(map(len, swapped[:-1]))
 
 
 @torch.no_grad()

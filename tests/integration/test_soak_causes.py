@@ -1,12 +1,11 @@
 """The chunk-cache causes of the soak's stall (issue 14), each as a
 deterministic regression test on a real in-process engine.
 
-``long_prefill_token_threshold=32`` makes a fill take one step per 32
-tokens, so a chunked request waits for its fills across several steps: the
-state the soak's clients saw under load, without the load. Before the fix a
-waiting request sat in vLLM's ``WAITING_FOR_REMOTE_KVS`` holding blocks; now
-it waits in the queue holding none, and its chunks stay pinned until it
-loads.
+``long_prefill_token_threshold=32`` makes a prefill take one step per 32
+tokens, so a chunked request computes its new chunks across several steps
+before it loads the stored ones: the state the soak's clients saw under
+load, without the load. Its stored chunks stay pinned until it loads them,
+and what it reserved goes with it if it ends first.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from tests.integration.chunks import chunk_cache_llm, index_of
 from tests.integration.conftest import num_free_blocks, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_request
 
-SYSTEM = list(range(100, 140))  # 40 tokens: its fill takes 2 steps
+SYSTEM = list(range(100, 140))  # 40 tokens: 2 steps
 DOC = list(range(200, 290))  # 90 tokens: 3 steps
 QUESTION = list(range(400, 410))
 OTHER_DOC = list(range(600, 700))  # 100 tokens
@@ -51,45 +50,46 @@ def steps(llm: LLM, count: int) -> None:
         llm.llm_engine.step()
 
 
-def test_a_waiting_request_keeps_its_chunks_until_it_loads(llm) -> None:
-    """A new chunk's pin was released twice (by its fill and by the plan), so
-    a chunk a waiting request still needed could be evicted by the next
-    arrival, and the request waited forever. Now the plan holds a pin of its
-    own until it loads."""
+def test_a_request_keeps_the_chunks_it_will_load_until_it_loads(llm) -> None:
+    """A stored chunk a request will load after computing a new one stays
+    pinned until its load is built: the next arrival needing room in the
+    store cannot evict it (and only computes its own chunk)."""
     index = index_of(llm)
-    waiting = add(llm, "pins", [SYSTEM, DOC, QUESTION])
-    steps(llm, 2)  # the system prompt's fill is done and stored, DOC's is not
-    assert waiting.status == RequestStatus.WAITING
-    assert not scheduler_of(llm).kv_cache_manager.get_block_ids(waiting.request_id)[
-        0
-    ], "a request waiting for its chunks must hold no block"
+    add(llm, "first", [SYSTEM, DOC, QUESTION])
+    steps(llm, 10)  # computes and stores SYSTEM and DOC
+    other_system = [t + 2000 for t in SYSTEM]
+    loading = add(llm, "pins", [other_system, DOC, QUESTION])
+    steps(llm, 1)  # computes the first 32 tokens of its new system prompt
+    assert loading.status == RequestStatus.RUNNING
     side = scheduler_of(llm).connector.scheduler_side
-    system_key = side.plans[waiting.request_id].chunks[0].key
-    entry = index.get(system_key)
+    (doc_key,) = side.plans[loading.request_id].loaded_keys
+    entry = index.get(doc_key)
     assert entry is not None and entry.ready and entry.pins >= 1
-    # The store (204 tokens) holds SYSTEM + DOC (130); OTHER_DOC needs room.
+    # The store (204 tokens) holds SYSTEM, DOC and the new system prompt's
+    # reservation (170); OTHER_DOC needs room.
     add(llm, "newcomer", [OTHER_DOC, QUESTION])
     steps(llm, 60)
-    assert waiting.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
-        f"request still {waiting.status.name} after 60 steps; the chunk it "
-        f"waits for is {'still' if index.get(system_key) else 'no longer'} stored"
+    assert loading.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        f"request still {loading.status.name} after 60 steps"
     )
+    assert index.get(doc_key) is entry
     assert index.num_pinned == 0, "pins outlived their holders"
 
 
-def test_aborting_a_request_waiting_for_its_chunks_frees_everything(llm) -> None:
-    """A request aborted while it waits for its fills leaves nothing behind:
-    no block (it holds none), no pin, no request object."""
+def test_aborting_a_request_computing_its_chunks_frees_everything(llm) -> None:
+    """A request aborted while it computes its new chunks leaves nothing
+    behind: no block, no pin, no reservation, no request object."""
     scheduler = scheduler_of(llm)
     scheduler.feature("chunk_cache").admin("clear")  # room for this test
     free = num_free_blocks(llm)
     system, doc = [t + 1000 for t in SYSTEM], [t + 1000 for t in DOC]
-    waiting = add(llm, "abort-waiting", [system, doc, QUESTION])
+    computing = add(llm, "abort-computing", [system, doc, QUESTION])
     steps(llm, 1)
-    assert waiting.status == RequestStatus.WAITING
-    llm.llm_engine.abort_request(["abort-waiting"])  # the caller's id, as a client
-    assert waiting.status == RequestStatus.FINISHED_ABORTED
-    steps(llm, 20)  # its fills finish; nothing else runs
-    assert waiting.request_id not in scheduler.requests, "aborted request kept"
+    assert computing.status == RequestStatus.RUNNING
+    llm.llm_engine.abort_request(["abort-computing"])  # the caller's id, as a client
+    assert computing.status == RequestStatus.FINISHED_ABORTED
+    steps(llm, 5)
+    assert computing.request_id not in scheduler.requests, "aborted request kept"
     assert num_free_blocks(llm) == free, "the aborted request's blocks leaked"
     assert index_of(llm).num_pinned == 0
+    assert all(entry.ready for entry in index_of(llm).entries.values())

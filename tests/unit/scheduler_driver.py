@@ -343,13 +343,12 @@ class Driver:
         assert free == self.pool_size - 1, (
             f"{self.pool_size - 1 - free} KV blocks still referenced after drain"
         )
-        pinned = {
-            k.hex()[:8]: e.pins for k, e in self.side.index.entries.items() if e.pins
-        }
+        index = self.side.store.index
+        pinned = {k.hex()[:8]: e.pins for k, e in index.entries.items() if e.pins}
         assert not pinned, f"chunks still pinned after drain: {pinned}"
-        assert not self.side.plans and not self.side.fills, (
-            f"chunk plans {list(self.side.plans)} / fills {list(self.side.fills)} left"
-        )
+        reserved = [k.hex()[:8] for k, e in index.entries.items() if not e.ready]
+        assert not reserved, f"chunks still reserved after drain: {reserved}"
+        assert not self.side.plans, f"chunk plans {list(self.side.plans)} left"
         internal = list(scheduler.kvreuse.internal.owners)
         assert not internal, f"internal requests never retired: {internal}"
         beam = scheduler.feature("beam")
@@ -374,7 +373,7 @@ def _assert_progress(driver: Driver) -> None:
 
 
 def _assert_chunk_index_consistent(side: ChunkScheduler) -> None:
-    index = side.index
+    index = side.store.index
     for tier in ("device", "cpu"):
         used = sum(e.nbytes for e in index.entries.values() if e.tier == tier)
         assert index.used[tier] == used, (
@@ -389,15 +388,20 @@ def _assert_chunk_index_consistent(side: ChunkScheduler) -> None:
 
 def _assert_waiting_chunks_pinned(driver: Driver) -> None:
     """Every chunk a pinned plan will load is in the store and pinned, so no
-    eviction can leave its request waiting for a chunk nobody fills."""
+    eviction can take it before its load; every chunk a plan will store is
+    reserved by that request."""
     side = driver.side
-    replan = driver.scheduler.feature("chunk_cache")._replan
+    index = side.store.index
     for request_id, plan in side.plans.items():
-        if not plan.pinned or request_id in replan:
-            continue
         for chunk in plan.chunks:
-            entry = side.index.get(chunk.key)
-            assert entry is not None and entry.pins > 0, (
-                f"{request_id} waits to load chunk {chunk.key.hex()[:8]}, which is "
-                f"{'unpinned' if entry else 'not stored'}"
+            entry = index.get(chunk.key)
+            if plan.pinned and chunk.loads:
+                assert entry is not None and entry.ready and entry.pins > 0, (
+                    f"{request_id} will load chunk {chunk.key.hex()[:8]}, which is "
+                    f"{'unpinned' if entry else 'not stored'}"
+                )
+        for chunk in plan.unsaved:
+            entry = index.get(chunk.key)
+            assert entry is not None and entry.owner == request_id, (
+                f"{request_id} will store chunk {chunk.key.hex()[:8]}, not reserved"
             )

@@ -10,7 +10,6 @@ from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
 
 from vllm_kvreuse.chunk_cache.rope import UnsupportedModel, model_rope
-from vllm_kvreuse.chunk_cache.store import ChunkIndex
 from vllm_kvreuse.device import Rope
 from vllm_kvreuse.device.layouts import cpu_attn_views
 from vllm_kvreuse.device.torch_ops import (
@@ -109,48 +108,3 @@ def test_cpu_layout_matches_vllms_own_cache_writer(dtype) -> None:
         cpu_attn_views(ours, block_size, "vec"), block_ids, offsets, keys, values
     )
     assert torch.equal(ours, cache)
-
-
-def index(device_tokens: int, cpu_tokens: int = 0) -> ChunkIndex:
-    return ChunkIndex(
-        capacity={"device": device_tokens, "cpu": cpu_tokens}, bytes_per_token=1
-    )
-
-
-def ready(store: ChunkIndex, key: bytes, tokens: int) -> None:
-    assert store.reserve(key, tokens)
-    store.mark_ready(key)
-    store.unpin(key)
-
-
-def test_least_recently_used_unpinned_chunk_goes_first() -> None:
-    store = index(100)
-    ready(store, b"a", 40)
-    ready(store, b"b", 40)
-    store.touch(b"a")
-    assert store.reserve(b"c", 40)
-    assert store.get(b"b") is None and store.get(b"a") is not None
-    assert [(op.kind, op.key) for op in store.take_ops()] == [("evict", b"b")]
-    assert store.bytes_in("device") == 80
-
-
-def test_device_evictions_are_demoted_when_the_cpu_tier_has_room() -> None:
-    store = index(50, cpu_tokens=50)
-    ready(store, b"a", 40)
-    assert store.reserve(b"b", 40)
-    assert store.get(b"a").tier == "cpu"
-    assert [(op.kind, op.key) for op in store.take_ops()] == [("demote", b"a")]
-
-
-def test_pinned_or_oversized_chunks_are_refused_without_changes() -> None:
-    store = index(50)
-    ready(store, b"a", 40)
-    store.pin(b"a")
-    assert not store.reserve(b"b", 20)  # a is pinned
-    assert not store.reserve(b"c", 60)  # larger than the tier
-    assert store.get(b"a") is not None and not store.take_ops()
-    assert store.stats.refused == 2
-    assert store.num_pinned == 1 and store.stored_tokens == 40
-    store.unpin(b"a")
-    assert store.num_pinned == 0
-    assert store.clear() == 1 and store.bytes_in("device") == 0

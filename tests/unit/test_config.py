@@ -144,9 +144,9 @@ def test_engine_args_accept_keyword_settings() -> None:
 
 def test_chunk_cache_flag_takes_the_kv_connector_slot() -> None:
 
-    args = _parse(["--enable-chunk-cache", "--chunk-attention", "system"])
+    args = _parse(["--enable-chunk-cache", "--chunk-recompute-head", "32"])
     assert args.kv_transfer_config.kv_connector == "KVReuseChunkConnector"
-    assert args.additional_config[ADDITIONAL_CONFIG_KEY]["chunk_attention"] == "system"
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY]["chunk_recompute_head"] == 32
     assert _parse([]).kv_transfer_config is None
     assert not _parse(
         ["--enable-chunk-cache"]

@@ -6,14 +6,15 @@ scheduler side (:mod:`tests.unit.scheduler_driver`) through random arrivals
 (plain requests, retained parents, children of any parent, beam roots,
 chunked requests over five shared documents, requests with a cache-hit
 threshold), client aborts (between steps and while a batch runs),
-preemptions, failures of any request (fills and beam members too),
-retention expiries, cache resets and steps. Fills finish late, in any order
-relative to other requests, because the token budget splits prefills over
-steps and the pool and store are tiny.
+preemptions, failures of any request (beam members too), retention
+expiries, cache resets and steps. Chunks computed in place are stored late,
+in any order relative to other requests, because the token budget splits
+prefills over steps and the pool and store are tiny.
 
 Checked after every action: the block accounting (free + held + live =
-pool), the chunk index (bytes, pin counts, every chunk a waiting request
-will load stored and pinned), and that no internal request's output reaches
+pool), the chunk index (bytes, pin counts, every chunk a planned request
+will load stored and pinned, every chunk it will store reserved by it), and
+that no internal request's output reaches
 a client; after every step, that a token is scheduled within
 ``MAX_IDLE_STEPS`` steps whenever a request could run; at the end, after a
 drain without arrivals (``DRAIN_STEPS``) and a cache reset, that every
@@ -62,8 +63,8 @@ EXERCISED = (
     "chunk loads",
     "chunk saves",
     "chunk demotions",  # to the CPU tier
-    "chunk degraded",  # a chunk larger than the store, or a store full of pins
-    "chunk replanned",  # a fill that failed before storing its chunk
+    "chunk refused",  # a chunk larger than the store, or a store full of pins
+    "chunk exact_hits",  # a chunk loaded where it was computed
     "upstream preemptions",
     "copy-on-write forks",  # beam members and children inheriting blocks
     "beam STOP beams",
@@ -113,7 +114,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.sampled_from([2, 4, 8]),
         store=st.sampled_from([0.05, 0.25, 0.5]),
         cpu_store=st.sampled_from([0.0, 2e-5]),
-        mode=st.sampled_from(["isolated", "system"]),
         async_scheduling=st.booleans(),
     )
     def build(
@@ -123,13 +123,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs: int,
         store: float,
         cpu_store: float,
-        mode: str,
         async_scheduling: bool,
     ) -> None:
         """A pool of 12 to 40 blocks; a chunk store of a fraction of its size
         (0.05 of 12 blocks holds 19 tokens: most chunks do not fit), with or
-        without a CPU tier (2e-5 GiB holds 83 tokens); in "system" mode a
-        chunked request's first segment is its system prompt."""
+        without a CPU tier (2e-5 GiB holds 83 tokens)."""
         self.driver = Driver(
             make_full_scheduler(
                 self.model_config,
@@ -139,7 +137,6 @@ class SchedulerMachine(RuleBasedStateMachine):
                 async_scheduling=async_scheduling,
                 chunk_cache_device_fraction=store,
                 chunk_cache_cpu_gib=cpu_store,
-                chunk_attention=mode,
             )
         )
 
@@ -346,10 +343,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 def _record(driver: Driver) -> None:
     """Adds what one run exercised to :data:`SEEN`."""
-    stats = driver.side.index.stats
+    stats = driver.side.store.stats
     seen = {
         **driver.seen,
-        **{f"chunk {name}": getattr(stats, name) for name in ("degraded", "replanned")},
+        **{f"chunk {name}": getattr(stats, name) for name in ("refused", "exact_hits")},
     }
     SEEN.update(seen)
     SEEN.update(f"{what} (runs)" for what, count in seen.items() if count)

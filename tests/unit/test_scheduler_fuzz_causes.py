@@ -2,8 +2,9 @@
 
 Found (fixed): each test replays the shrunk sequence hypothesis reported
 (``test_scheduler_fuzz.py``) on a real scheduler with every feature on.
-Ruled out by the redesign (a chunked request waits for its fills holding no
-block): each test keeps the suspected sequence from coming back.
+Ruled out by the redesigns (chunks computed in place, in their own request,
+which never waits for another): each test keeps the suspected sequence from
+coming back.
 """
 
 from __future__ import annotations
@@ -24,16 +25,6 @@ def _chunked(request_id: str, doc: list[int], max_tokens: int = 2):
     )
 
 
-def _assert_holds_no_blocks(driver: Driver, request_id: str) -> None:
-    manager = driver.scheduler.kv_cache_manager
-    held = [
-        single.req_to_blocks[request_id]
-        for single in manager.coordinator.single_type_managers
-        if single.req_to_blocks.get(request_id)
-    ]
-    assert not held, f"{request_id} holds blocks while it waits for its fills"
-
-
 def _assert_answered(
     driver: Driver, *request_ids: str, reason: FinishReason = FinishReason.LENGTH
 ) -> None:
@@ -46,25 +37,25 @@ def _assert_answered(
 
 
 def test_a_chunk_its_request_will_load_stays_stored(model_config: ModelConfig) -> None:
-    """The fill's reservation pin was the only pin on a new chunk, and it went
-    when the fill finished: the chunk was evictable before its request
-    loaded it, and a newcomer's reservation evicted it; the request then
-    waited for a chunk no fill would store again, for ever."""
+    """A stored chunk a waiting request plans to load holds that plan's pin
+    until the load is built: a newcomer's reservation cannot evict it (it
+    finds no room and only computes its chunk)."""
     # 12 blocks: a store of 0.25 x 12 x 32 = 96 tokens, room for one of the docs.
     driver = Driver(
         make_full_scheduler(model_config, num_blocks=12, max_num_batched_tokens=256)
     )
     first_doc, second_doc = list(range(1000, 1070)), list(range(2000, 2050))
     driver.add(_chunked("first", first_doc), "chunked")
-    driver.step()  # the fill computes and stores first_doc, then finishes
-    (key,) = [chunk.key for chunk in driver.side.plans["first"].chunks]
-    entry = driver.side.index.get(key)
-    assert entry is not None and entry.ready, "the fill did not store the chunk"
-    assert entry.pins == 1, f"first's chunk has {entry.pins} pins before its load"
+    driver.drain(max_steps=10)  # computes and stores first_doc
+    driver.add(_chunked("again", first_doc), "chunked")  # plans to load it
+    (key,) = driver.side.plans["again"].loaded_keys
+    entry = driver.side.store.index.get(key)
+    assert entry is not None and entry.ready and entry.pins == 1
     driver.add(_chunked("second", second_doc), "chunked")  # needs room in the store
+    assert driver.side.store.index.get(key) is entry, "a pinned chunk was evicted"
     driver.check()
     driver.drain(max_steps=50)
-    _assert_answered(driver, "first", "second")
+    _assert_answered(driver, "first", "again", "second")
     driver.scheduler.reset_prefix_cache(reset_connector=True)
     driver.check_drained()
 
@@ -139,46 +130,46 @@ def test_a_live_group_is_not_preempted_while_its_last_member_runs(
 # -- ruled out -----------------------------------------------------------------
 
 
-def test_a_request_aborted_while_its_fills_run_leaves_nothing(
+def test_a_request_aborted_while_computing_its_chunk_leaves_nothing(
     model_config: ModelConfig,
 ) -> None:
-    """Suspected: blocks of a request aborted while waiting for its load never
-    returned. It waits without blocks now; its fill runs on and stores."""
-    # A 32-token budget: the 70-token doc's fill takes three steps.
+    """Suspected: blocks of a request aborted mid-prefill never returned, or
+    its chunk stayed reserved for ever. Its reservation goes with it."""
+    # A 32-token budget: the 70-token doc takes three steps.
     driver = Driver(make_full_scheduler(model_config, max_num_batched_tokens=32))
-    driver.add(_chunked("waiting", list(range(1000, 1070))), "chunked")
+    driver.add(_chunked("computing", list(range(1000, 1070))), "chunked")
     driver.step()
-    assert driver.side.fills, "the fill finished in one step; the test needs more"
-    _assert_holds_no_blocks(driver, "waiting")
-    driver.abort("waiting")
+    assert driver.side.plans["computing"].unsaved, "computed in one step already"
+    driver.abort("computing")
+    assert not driver.side.store.index.entries
     driver.check()
     driver.drain(max_steps=20)
     driver.scheduler.reset_prefix_cache(reset_connector=True)
     driver.check_drained()
 
 
-def test_a_preempted_chunked_request_waits_for_refills_without_blocks(
+def test_a_preempted_chunked_request_is_planned_again(
     model_config: ModelConfig,
 ) -> None:
-    """Suspected: a circular wait. A chunked request preempted after its load,
-    its chunk evicted meanwhile, needs a re-fill; a request at the head that
-    fills the pool waits for blocks. The preempted request holds none while
-    it waits, so the re-fill and the big request fit (3 + 8 of 11 blocks)."""
+    """A chunked request preempted after its chunk was stored, the chunk
+    evicted meanwhile: planned again, it computes the chunk in place once
+    more and stores it; a request at the head that fills the pool and it
+    both finish (3 + 8 of 11 blocks)."""
     driver = Driver(
         make_full_scheduler(model_config, num_blocks=12, max_num_batched_tokens=256)
     )
     driver.add(_chunked("chunked", list(range(1000, 1070)), max_tokens=8), "chunked")
-    driver.step()  # the fill stores the chunk
-    driver.step()  # the request loads it and computes its question
+    driver.step()  # computes the chunk in place, stores it, answers its first token
     assert driver.running() == ["chunked"]
+    assert driver.side.store.stats.saved == 1
     driver.scheduler.reset_prefix_cache(reset_connector=True)  # evicts the chunk
-    assert not driver.side.index.entries
+    assert not driver.side.store.index.entries
     driver.add(make_request("big", list(range(3000, 3240)), max_tokens=8), "plain")
     driver.preempt("chunked")
-    assert driver.side.fills, "the preempted request's chunk is not filled again"
-    _assert_holds_no_blocks(driver, "chunked")
+    assert driver.side.plans["chunked"].unsaved, "not planned to store it again"
     driver.check()
     driver.drain(max_steps=60)
     _assert_answered(driver, "chunked", "big")
+    assert driver.side.store.stats.saved == 2
     driver.scheduler.reset_prefix_cache(reset_connector=True)
     driver.check_drained()

@@ -12,15 +12,13 @@ Frontend:
 
 Scheduler (engine core):
 
-- ``feature.py``: the hook-layer feature: chunked requests and their fills;
-- ``scheduler_side.py``: sole owner of the store index, and every plan;
+- ``feature.py``: the hook-layer feature: chunked requests' plans, segments;
+- ``scheduler_side.py``: every plan: loads, chunks computed in place, saves;
+- ``store.py``: the store's owner: keys, pins, reservations, admin actions;
 - ``recompute.py``: which chunk tokens a request recomputes (heads, chunks
   chosen by the question, a tail), and its ``chunk_recompute`` field;
-- ``store_admin.py``: the store's admin actions (stats, clear, pin, unpin);
-- ``store.py``: the index: what is stored where, LRU order, pins, capacity;
-- ``keys.py``: chunks' content keys, chunked requests' cache salt;
-- ``fill_context.py``: the documents every chunk is computed after
-  (``--chunk-fill-context``), tokenised once;
+- ``index.py``: the index: what is stored where, LRU order, pins, capacity;
+- ``keys.py``: chunks' content keys, stored chunks' origins, block salts;
 - ``plan.py``: the plan types the scheduler sends the workers;
 - ``engine.py``: the engine-core utility behind the admin endpoint;
 - ``stats.py``: chunk-store statistics on vLLM's KV-connector stats path.

@@ -5,7 +5,7 @@ Routes (all JSON):
   evictions, bytes and capacity per tier, pinned chunks;
 - ``POST /v1/kvreuse/chunk_cache/clear``: evicts every unpinned chunk;
 - ``POST /v1/kvreuse/chunk_cache/pin`` and ``/unpin`` with ``{"token_ids":
-  [...], "cache_salt": ..., "system_token_ids": [...]}``: hold a stored
+  [...], "cache_salt": ...}``: hold a stored
   chunk against eviction, or let it go.
 
 vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``; this one
@@ -33,7 +33,6 @@ router = APIRouter(prefix="/v1/kvreuse/chunk_cache")
 
 class ChunkRef(BaseModel):
     token_ids: list[int]
-    system_token_ids: list[int] | None = None
     cache_salt: str | None = None
 
 

@@ -3,7 +3,7 @@
 A thin facade: vLLM builds one instance per role, and each call goes to the
 side that owns the work:
 - scheduler role (engine core): :class:`~.scheduler_side.ChunkScheduler`,
-  sole owner of the store index and the plans;
+  the plans, over :class:`~.store.ChunkStore`, the store's owner;
 - worker role: :class:`~.worker_side.ChunkWorker`, the stored tensors.
 
 Data flow: the feature (:mod:`.feature`) plans chunked requests on the
@@ -17,8 +17,8 @@ metadata, so a step that loads and saves nothing makes no per-layer call and
 no worker-side chunk call (docs/chunk_cache.md, "Cost when unused").
 
 Block ownership: the connector never owns KV blocks. It writes into blocks
-vLLM allocated to the loading request and reads blocks of a fill in the
-step that computed them; stored chunks live outside the KV pool.
+vLLM allocated to the loading request and reads a request's blocks in the
+step that computed a chunk of it; stored chunks live outside the KV pool.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         """Evicts every unpinned chunk (``reset_prefix_cache`` with
         ``reset_external``)."""
         if self.scheduler_side is not None:
-            self.scheduler_side.index.clear()
+            self.scheduler_side.store.clear()
         return True
 
     def get_kv_connector_stats(self) -> ChunkCacheStats | None:

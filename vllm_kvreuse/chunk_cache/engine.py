@@ -19,7 +19,7 @@ def make_chunk_cache_utility(_: None) -> Callable[..., dict[str, Any]]:
     ) -> dict[str, Any]:
         """Engine-core utility behind the admin endpoint: ``action`` on the
         chunk ``chunk`` names (the endpoint's validated body, for pin and
-        unpin), in :func:`.store_admin.run`."""
+        unpin), in :meth:`.store.ChunkStore.admin`."""
         find = getattr(self.scheduler, "feature", None)
         feature = find("chunk_cache") if find is not None else None
         if feature is None:

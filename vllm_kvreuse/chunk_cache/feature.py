@@ -1,47 +1,36 @@
-"""The chunk cache as a scheduler feature: chunked requests and their fills.
+"""The chunk cache as a scheduler feature: chunked requests' plans.
 
 A chunked request arrives with ``extra_args["kvreuse_chunks"]``, the token
-lengths of its chunks (every segment but the question). On arrival:
+lengths of its chunks (every segment but the question). On arrival the
+scheduler side plans it (:mod:`.scheduler_side`): chunks stored are loaded
+(re-rotated), chunks not stored are computed in place and stored from the
+request's blocks. Then:
 
-1. the scheduler side keys each chunk, pins the chunks stored or being
-   filled, and reserves room for the others (:mod:`.scheduler_side`);
-2. one *fill* per missing chunk is spawned as an internal request: a
-   one-token request whose prompt is the chunk alone (after the system
-   prompt in "system" mode), so its KV is chunk-isolated at virtual
-   positions without any attention mask; its KV is saved in the step that
-   finishes its prefill;
-3. the request's blocks are re-hashed under a salt of its own
-   (:func:`~.keys.chunked_salt`), so blocks holding chunk KV never match an
-   ordinary request;
-4. vLLM then loads every chunk into the request's blocks (re-rotated) and
-   prefills only the question, once every chunk is stored.
-5. With recomputed spans (:mod:`.recompute`: chunk heads, chunks chosen by
-   the question, a tail) the prefill is *segmented*: each step loads one
-   region and computes the span after it (:meth:`cap_new_tokens` ends the
-   step there), and between steps :meth:`before_schedule` moves the request
-   past the next region, which the connector loads in that same step. Each
-   span is a contiguous prefill of vLLM's own, with exact causality, on
-   every backend and both runners; the moved request is sent to its workers
-   whole (``core.resends.resend``: both runners take a known request's new
-   state from ``scheduled_new_reqs``).
-
-If room cannot be reserved (a chunk larger than the store, or a store full
-of pinned chunks), the request runs as an ordinary request: never an error.
+1. if it loads a chunk computed elsewhere, its blocks are re-hashed under
+   a salt naming their values (:class:`~.keys.Provenance`), so they never
+   match a request holding other values; a request that loads only what
+   full attention computes keeps its own salt;
+2. its prefill is *segmented* where loads and computed spans alternate:
+   each step loads one region and computes the span after it
+   (:meth:`cap_new_tokens` ends the step there), and between steps
+   :meth:`before_schedule` moves the request past the next region, which
+   the connector loads in that same step. Each span is a contiguous prefill
+   of vLLM's own, with exact causality, on every backend and both runners;
+   the moved request is sent to its workers whole (``core.resends.resend``:
+   both runners take a known request's new state from
+   ``scheduled_new_reqs``);
+3. a preempted request is planned again from scratch when it is preempted
+   (it holds no block then, so its salt may change).
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
-from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.chunk_cache import store_admin
 from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
-from vllm_kvreuse.chunk_cache.plan import FillSpec
 from vllm_kvreuse.chunk_cache.recompute import (
     REQUEST_KEY,
     Recompute,
@@ -55,11 +44,9 @@ if TYPE_CHECKING:
     from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
     from vllm_kvreuse.core.context import Core
 
-logger = init_logger(__name__)
-
 
 class ChunkCache(Feature):
-    """Turns chunked requests into chunk loads plus fills of missing chunks."""
+    """Turns chunked requests into chunk loads and chunks computed in place."""
 
     name = "chunk_cache"
 
@@ -75,43 +62,25 @@ class ChunkCache(Feature):
             )
         assert connector.scheduler_side is not None
         self.side: ChunkScheduler = connector.scheduler_side
-        self._fill_counter = itertools.count()
-        # Tokens of each new chunked request not stored when it arrived: its
-        # prefill stats must not count them as cached, although they are
-        # loaded like stored ones. Segmented requests are here too: upstream
-        # counts only their first load region at first schedule.
-        self._uncached: dict[str, int] = {}
-        self._replan: set[str] = set()
+        # New segmented requests: upstream counts only their first load
+        # region as cached at first schedule; after_schedule counts the rest.
+        self._uncounted: set[str] = set()
 
     # -- requests --------------------------------------------------------------
 
     def on_add(self, request: Request) -> None:
-        lengths = chunk_lengths(request, request.num_prompt_tokens)
-        if lengths is None:
-            return
-        planned = self.side.plan(request, lengths, _recompute_of(request))
-        if planned is None:
-            logger.info(
-                "chunk cache full or chunk too large: request %s runs as an "
-                "ordinary request",
-                request.request_id,
-            )
-            return
-        plan, fills, uncached = planned
-        self._start_fills(request, fills)
-        self._rehash(request, self.side.block_salt(plan, lengths))
-        if uncached or plan.spans:
-            self._uncached[request.request_id] = uncached
+        self._plan(request)
 
     def on_preempt(self, request: Request) -> None:
-        """A preempted chunked request loads its chunks again when resumed."""
-        self.side.forget_load(request.request_id)
-        self._plan_again(request)
+        """A preempted chunked request is planned again: what it saved is
+        stored now, and what it loaded may be gone."""
+        plan = self.side.release(request.request_id)
+        if plan is not None:
+            self._rehash(request, plan.user_salt)
+            self._plan(request)
 
     def on_finish(self, request: Request) -> None:
-        if request.request_id in self.side.fills:
-            self._replan.update(self.side.fill_finished(request.request_id))
-        self._uncached.pop(request.request_id, None)
+        self._uncounted.discard(request.request_id)
 
     def extra_hit_tokens(self, request: Request, num_local: int) -> int | None:
         """Stored chunks past the local hit count as hits (threshold check)."""
@@ -128,51 +97,40 @@ class ChunkCache(Feature):
 
     def before_schedule(self) -> None:
         self._advance_segments()
-        if not self._replan:
-            return
-        replan, self._replan = self._replan, set()
-        requests = self.core.scheduler.requests
-        for request_id in replan:
-            request = requests.get(request_id)
-            if request is not None and not request.num_computed_tokens:
-                self._plan_again(request)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         """At a new chunked request's first schedule, its prefill stats (and
         so ``cached_tokens``) count every token it will load from the store
         and that was stored when it arrived, whatever step loads it."""
-        if not self._uncached:
+        if not self._uncounted:
             return
         requests = self.core.scheduler.requests
-        for request_id in list(self._uncached):
+        for request_id in list(self._uncounted):
             request = requests.get(request_id)
             stats = request.prefill_stats if request is not None else None
             plan = self.side.plans.get(request_id)
             if stats is None or plan is None:
-                self._uncached.pop(request_id)
+                self._uncounted.discard(request_id)
             elif stats.num_prompt_tokens:  # upstream set them at first schedule
-                uncached = self._uncached.pop(request_id)
+                self._uncounted.discard(request_id)
                 local = stats.num_local_cached_tokens
                 stats.set(
                     num_prompt_tokens=stats.num_prompt_tokens,
                     num_local_cached_tokens=local,
-                    num_external_cached_tokens=max(
-                        0, plan.num_loaded(begin=local) - uncached
-                    ),
+                    num_external_cached_tokens=plan.num_loaded(begin=local),
                 )
 
     def waiting_summary(self) -> dict[str, int]:
         side = self.side
         return {
             "chunked_requests": len(side.plans),
-            "waiting_for_fills": side.num_waiting(),
-            "fills": len(side.fills),
-            "pinned_chunks": side.index.num_pinned,
+            "pinned_chunks": side.store.index.num_pinned,
         }
 
     def admin(self, action: str, **chunk: Any) -> dict[str, Any]:
-        """The admin endpoint's actions on this store (:func:`.store_admin.run`)."""
-        return store_admin.run(self.side, action, **chunk)
+        """The admin endpoint's actions on this store
+        (:meth:`.store.ChunkStore.admin`)."""
+        return self.side.store.admin(action, **chunk)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -189,38 +147,19 @@ class ChunkCache(Feature):
             if self.side.advance(request):
                 self.core.resends.resend(request_id)
 
-    def _plan_again(self, request: Request) -> None:
-        """Re-pins ``request``'s chunks and re-fills the missing ones; with no
-        room, it runs on as an ordinary request (it holds no blocks now, so
-        its hashes can change)."""
-        plan = self.side.plans.get(request.request_id)
+    def _plan(self, request: Request) -> None:
+        """Plans a chunked request (it holds no block now) and re-hashes its
+        blocks under the salt naming their values."""
+        lengths = chunk_lengths(request, request.num_prompt_tokens)
+        if lengths is None:
+            return
+        plan = self.side.plan(request, lengths, _recompute_of(request))
         if plan is None:
             return
-        fills = self.side.repin(request)
-        if fills is None:
-            self._rehash(request, plan.user_salt)
-            return
-        self._start_fills(request, fills)
-
-    def _start_fills(self, request: Request, fills: list[FillSpec]) -> None:
-        plan = self.side.plans.get(request.request_id)
-        salt = plan.user_salt if plan is not None else request.cache_salt
-        for fill in fills:
-            fill_request = Request(
-                request_id=f"kvreuse-fill-{next(self._fill_counter)}-"
-                f"{fill.key.hex()[:12]}",
-                prompt_token_ids=fill.prompt,
-                sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
-                pooling_params=None,
-                client_index=request.client_index,
-                lora_request=request.lora_request,
-                # The fill's KV is ordinary KV of its prompt.
-                cache_salt=salt,
-                priority=request.priority,
-                block_hasher=request._block_hasher,
-            )
-            self.side.add_fill(fill_request, fill)
-            self.core.internal.spawn(fill_request, self)
+        if plan.block_salt != request.cache_salt:
+            self._rehash(request, plan.block_salt)
+        if plan.spans and plan.loaded_keys:
+            self._uncounted.add(request.request_id)
 
     @staticmethod
     def _rehash(request: Request, cache_salt: str | None) -> None:

@@ -10,24 +10,33 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from vllm_kvreuse.chunk_cache.index import StoreOp
 from vllm_kvreuse.chunk_cache.keys import ChunkKey
 from vllm_kvreuse.chunk_cache.recompute import Span
-from vllm_kvreuse.chunk_cache.store import StoreOp
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedChunk:
-    """One chunk of a chunked request: where it stands and where it was computed."""
+    """One chunk of a chunked request: where it stands, and where the KV it
+    loads was computed (``stored_start``; None: computed here, in place).
+
+    ``saves``: the request computes the chunk in place and stores it (it
+    holds the chunk's reservation in the store).
+    """
 
     key: ChunkKey
     start: int  # first position in the request
     length: int
-    context: tuple[int, ...] = ()  # what its fill computes before it
+    stored_start: int | None = None
+    saves: bool = False
 
     @property
-    def virtual_start(self) -> int:
-        """Position of its first token when it was computed."""
-        return len(self.context)
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def loads(self) -> bool:
+        return self.stored_start is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,26 +45,35 @@ class Piece:
     src_start: int  # first token within the stored chunk
     dst_start: int  # its position in the request
     count: int
-    delta: int  # actual minus virtual position
+    delta: int  # actual minus stored position
 
 
 @dataclass(slots=True)
 class ChunkPlan:
     """A chunked request's chunks, laid end to end from position 0.
 
-    ``pinned``: the plan holds one pin on each chunk's store entry, from
-    planning until the request's last load is built (or it finishes).
     ``spans``: sorted disjoint ranges of chunk positions the request
-    recomputes (:mod:`.recompute`); every other chunk position is a *load
-    region*, filled from the store. The request alternates: load a region,
-    compute the span after it, load the next, up to the question, each
-    computed span a contiguous prefill with exact causality.
+    computes: every chunk it computes in place, and the tokens of loaded
+    chunks it recomputes (:mod:`.recompute`); every other chunk position is
+    a *load region*, filled from the store. The request alternates: load a
+    region, compute the span after it, load the next, up to the question,
+    each computed span a contiguous prefill with exact causality.
+    ``pinned``: the plan holds one pin on each chunk it loads, from planning
+    until the request's last load is built (or it ends).
+    ``unsaved``: the chunks it computes in place and has yet to store.
+    ``block_salt``: the ``cache_salt`` its KV blocks are hashed under.
     """
 
     chunks: list[PlannedChunk]
     user_salt: str | None = None  # the request's own cache_salt
+    block_salt: str | None = None
     pinned: bool = True
     spans: list[Span] = field(default_factory=list)
+    unsaved: list[PlannedChunk] = field(default_factory=list)
+
+    @property
+    def loaded_keys(self) -> list[ChunkKey]:
+        return [chunk.key for chunk in self.chunks if chunk.loads]
 
     @property
     def end(self) -> int:
@@ -100,12 +118,14 @@ class ChunkPlan:
         """The parts of the chunks in ``[start, stop)``, as loads."""
         pieces = []
         for chunk in self.chunks:
+            if chunk.stored_start is None:
+                continue
             skip = max(0, min(chunk.length, start - chunk.start))
             count = max(0, min(chunk.length, stop - chunk.start)) - skip
             if count > 0:
                 pieces.append(
                     Piece(chunk.key, src_start=skip, dst_start=chunk.start + skip,
-                          count=count, delta=chunk.start - chunk.virtual_start)
+                          count=count, delta=chunk.start - chunk.stored_start)
                 )  # fmt: skip
         return pieces
 
@@ -116,21 +136,6 @@ class ChunkPlan:
             max(0, min(stop, limit) - max(start, begin))
             for start, stop in self.load_regions()
         )
-
-
-@dataclass(frozen=True, slots=True)
-class FillSpec:
-    """What a fill computes: ``prompt[start:]`` (the chunk) after
-    ``prompt[:start]`` (its context: the system prompt in "system" mode and
-    the fill context, else nothing)."""
-
-    key: ChunkKey
-    prompt: list[int]
-    start: int
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) - self.start
 
 
 @dataclass(frozen=True, slots=True)

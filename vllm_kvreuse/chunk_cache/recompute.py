@@ -155,3 +155,15 @@ def merge(spans: list[Span]) -> list[Span]:
         else:
             merged.append((start, stop))
     return merged
+
+
+def clip(spans: list[Span], ranges: list[Span]) -> list[Span]:
+    """The parts of ``spans`` inside ``ranges`` (both sorted and disjoint)."""
+    return merge(
+        [
+            (max(a, lo), min(b, hi))
+            for a, b in spans
+            for lo, hi in ranges
+            if max(a, lo) < min(b, hi)
+        ]
+    )

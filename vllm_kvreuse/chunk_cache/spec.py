@@ -9,7 +9,6 @@ from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
     parse_bool,
-    parse_file,
     parse_fraction,
     parse_gib,
     parse_separator,
@@ -19,7 +18,6 @@ from vllm_kvreuse.core.request_keys import CHUNKS
 from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
 
 CHUNK_HASHES = ("", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-CHUNK_ATTENTION_MODES = ("isolated", "system")
 
 SPEC = FeatureSpec(
     name="chunk_cache",
@@ -30,10 +28,10 @@ SPEC = FeatureSpec(
             False,
             "Position-independent chunk cache for RAG requests that send their "
             "segments as a 'chunks' field (texts or token-id lists: system prompt, "
-            "documents, question): each chunk's KV is computed alone at positions "
-            "from 0, cached by content, and reused at any position by re-rotating "
-            "its keys. Ordinary prompts are never chunked. Uses the KV-connector "
-            "slot.",
+            "documents, question): a chunk not yet stored is computed in place "
+            "(as plain vLLM computes it) and stored by content; a stored chunk is "
+            "reused at any position by re-rotating its keys. Ordinary prompts are "
+            "never chunked. Uses the KV-connector slot.",
         ),
         Option(
             "chunk_separator",
@@ -64,23 +62,6 @@ SPEC = FeatureSpec(
             "",
             "Hash of chunk content keys; empty (default) uses vLLM's "
             "--prefix-caching-hash-algo (sha256 unless set).",
-        ),
-        Option(
-            "chunk_attention",
-            choice_parser(*CHUNK_ATTENTION_MODES),
-            "isolated",
-            "'isolated': a chunk attends to itself only; 'system': chunks also see "
-            "the system prompt (the first segment), whose hash joins their key.",
-        ),
-        Option(
-            "chunk_fill_context",
-            parse_file,
-            "",
-            "A text file of one or two documents like those requests retrieve; "
-            "every chunk is computed after it (and after the system prompt in "
-            "'system' mode), so its KV is that of a document following another. "
-            "Costs fills, not loads; its tokens join every chunk key. Empty (the "
-            "default): none. Measured gains in docs/chunk_cache.md.",
         ),
         Option(
             "chunk_recompute_fraction",

@@ -18,22 +18,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_kvreuse.chunk_cache.store import StoreStats
+from vllm_kvreuse.chunk_cache.index import StoreStats
 from vllm_kvreuse.metrics import PREFIX
 
 COUNTERS: dict[str, str] = {
     counter.name: counter.metadata["doc"] for counter in fields(StoreStats)
 }
-"""The store's counters (:class:`~.store.StoreStats`) and their help."""
+"""The store's counters (:class:`~.index.StoreStats`) and their help."""
 GAUGES: dict[str, str] = {
     "chunks": "Chunks in the chunk store.",
     "stored_tokens": "Tokens of the chunks in the chunk store.",
     "pinned": "Chunks pinned (in use, or pinned by an admin).",
     "device_bytes": "Chunk-store bytes on the KV cache's device.",
     "cpu_bytes": "Chunk-store bytes in host memory (CPU tier).",
-    "fills": "Fill requests computing missing chunks right now.",
-    "waiting": "Chunked requests waiting (holding no KV block) for a fill to "
-    "store one of their chunks.",
 }
 
 

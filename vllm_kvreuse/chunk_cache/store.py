@@ -1,181 +1,145 @@
-"""The chunk store's index: what is stored where, LRU order, pins, capacity.
+"""The chunk store's owner, in the engine core: keys, pins, reservations.
 
-The index lives with the scheduler and decides everything: which chunk goes
-in, which is demoted to the CPU tier or evicted. Workers hold the tensors and
-apply its decisions in order (:class:`StoreOp`), so both sides always agree
-on what is stored without a round trip.
+:class:`ChunkStore` is the only code that changes the
+:class:`~.index.ChunkIndex`: the planner (:mod:`.scheduler_side`) asks it to
+pin, reserve and mark saved; the connector asks it to clear; the admin
+endpoint runs :meth:`ChunkStore.admin`. Workers hold the tensors and apply
+the index's decisions in order (:meth:`take_ops`).
 
-Invariants:
-- ``used[tier]`` is the sum of ``nbytes`` of the tier's entries and never
-  exceeds its capacity.
-- A pinned entry (``pins > 0``) is never demoted or evicted: a request that
-  will load it, or a fill that will write it, holds a pin.
-- An entry is *reserved* (``ready`` False) from the moment its fill is
-  planned until the worker has written it; it counts against capacity and
-  cannot be loaded yet.
+Pins: a plan holds one pin on each chunk it loads, from planning until its
+last load is built; a reservation holds one pin for the request computing
+the chunk, until its save is built (:meth:`saved`) or it ends without one
+(:meth:`abandon`); an admin pin holds one until unpinned.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from vllm_kvreuse.chunk_cache.keys import ChunkKey
-
-Tier = Literal["device", "cpu"]
+from vllm_kvreuse.chunk_cache.index import ChunkIndex, Entry, StoreOp
+from vllm_kvreuse.chunk_cache.keys import ChunkKey, Origin, chunk_key
 
 
-@dataclass(slots=True)
-class Entry:
-    num_tokens: int
-    nbytes: int
-    tier: Tier = "device"
-    pins: int = 0
-    ready: bool = False
+class ChunkStore:
+    """What is stored, pinned and reserved; the index's sole owner."""
 
+    def __init__(
+        self,
+        index: ChunkIndex,
+        hasher: Callable[[Any], bytes],
+        identity: tuple[str, ...],
+    ) -> None:
+        self.index = index
+        self.stats = index.stats
+        self._hasher = hasher
+        self.identity = identity
+        self._admin_pins: set[ChunkKey] = set()
 
-@dataclass(frozen=True, slots=True)
-class StoreOp:
-    """A decision for the workers: ``demote`` to the CPU tier, or ``evict``."""
+    def key(self, cache_salt: str | None, lora_name: str, tokens: Any) -> ChunkKey:
+        """The content key of ``tokens`` for a request's salt and adapter."""
+        salt = f"{cache_salt or ''}|{lora_name}"
+        return chunk_key(self._hasher, self.identity, salt, tokens)
 
-    kind: Literal["demote", "evict"]
-    key: ChunkKey
+    def stored(self, key: ChunkKey) -> Entry | None:
+        """The entry of ``key`` if its KV is stored (not merely reserved)."""
+        entry = self.index.get(key)
+        return entry if entry is not None and entry.ready else None
 
+    def is_known(self, key: ChunkKey) -> bool:
+        """Stored, or reserved by a request computing it now."""
+        return self.index.get(key) is not None
 
-def _count(doc: str) -> Any:
-    """A :class:`StoreStats` field: a total from 0, ``doc`` its help."""
-    return field(default=0, metadata={"doc": doc})
+    # -- pins and reservations -------------------------------------------------
 
+    def pin(self, keys: Iterable[ChunkKey]) -> None:
+        for key in keys:
+            self.index.pin(key)
 
-@dataclass(slots=True)
-class StoreStats:
-    """Chunk-cache counters (totals): each is ``vllm_kvreuse:chunk_cache_<name>``
-    in ``/metrics`` with its doc as help (``stats.COUNTERS``)."""
+    def unpin(self, keys: Iterable[ChunkKey]) -> None:
+        for key in keys:
+            self.index.unpin(key)
 
-    hits: int = _count("Chunks of arriving requests found in the chunk store.")
-    misses: int = _count("Chunks of arriving requests computed by a fill.")
-    hit_tokens: int = _count("Prompt tokens of chunks found in the chunk store.")
-    miss_tokens: int = _count("Prompt tokens of chunks computed by a fill.")
-    evictions: int = _count("Chunks evicted from the chunk store (LRU or clear).")
-    refused: int = _count("Chunks the store could not take (too large, or all pinned).")
-    degraded: int = _count(
-        "Chunked requests that ran as ordinary requests because the "
-        "store could not take a chunk they needed."
-    )
-    replanned: int = _count(
-        "Chunked requests whose fill ended without saving its chunk "
-        "(aborted or failed): they were planned again."
-    )
+    def reserve(
+        self, key: ChunkKey, length: int, start: int, origin: Origin, owner: str
+    ) -> bool:
+        """Room for ``key``, computed in place by ``owner`` at ``start``;
+        False (nothing changed, counted as refused) if the store is full of
+        pinned chunks or the chunk is larger than the device tier."""
+        return self.index.reserve(key, length, start, origin, owner)
 
+    def saved(self, key: ChunkKey) -> None:
+        """The owner's save of ``key`` goes to the workers this step: the
+        chunk is stored from then on, and its reservation pin is dropped."""
+        self.index.mark_ready(key)
+        self.index.unpin(key)
+        self.stats.saved += 1
 
-@dataclass(slots=True)
-class ChunkIndex:
-    """LRU index over two tiers, sized in bytes."""
-
-    capacity: dict[Tier, int]
-    bytes_per_token: int
-    entries: OrderedDict[ChunkKey, Entry] = field(default_factory=OrderedDict)
-    used: dict[Tier, int] = field(default_factory=lambda: {"device": 0, "cpu": 0})
-    pending_ops: list[StoreOp] = field(default_factory=list)
-    stats: StoreStats = field(default_factory=StoreStats)
-    num_pinned: int = 0  # entries with pins > 0, kept as pins change
-
-    def get(self, key: ChunkKey) -> Entry | None:
-        return self.entries.get(key)
-
-    def touch(self, key: ChunkKey) -> None:
-        self.entries.move_to_end(key)
-
-    def pin(self, key: ChunkKey) -> None:
-        entry = self.entries[key]
-        self.num_pinned += entry.pins == 0
-        entry.pins += 1
-        self.touch(key)
-
-    def unpin(self, key: ChunkKey) -> None:
-        entry = self.entries.get(key)
-        if entry is not None and entry.pins > 0:
-            entry.pins -= 1
-            self.num_pinned -= entry.pins == 0
-
-    @property
-    def stored_tokens(self) -> int:
-        return (self.used["device"] + self.used["cpu"]) // self.bytes_per_token
-
-    def reserve(self, key: ChunkKey, num_tokens: int) -> bool:
-        """Makes room on the device tier and adds ``key`` (pinned, not ready).
-
-        Demotes (or, without room on the CPU tier, evicts) least recently
-        used unpinned entries. False, changing nothing, when the chunk cannot
-        fit: larger than the tier, or everything else pinned.
-        """
-        nbytes = num_tokens * self.bytes_per_token
-        if nbytes > self.capacity["device"] or not self._make_room("device", nbytes):
-            self.stats.refused += 1
-            return False
-        self.entries[key] = Entry(num_tokens=num_tokens, nbytes=nbytes, pins=1)
-        self.num_pinned += 1
-        self.used["device"] += nbytes
-        return True
-
-    def mark_ready(self, key: ChunkKey) -> None:
-        self.entries[key].ready = True
-
-    def drop(self, key: ChunkKey) -> None:
-        """Forgets ``key`` (a fill that did not complete); workers evict it."""
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.num_pinned -= entry.pins > 0
-            self.used[entry.tier] -= entry.nbytes
-            self.pending_ops.append(StoreOp("evict", key))
-
-    def clear(self) -> int:
-        """Evicts every unpinned entry; returns how many."""
-        victims = [key for key, entry in self.entries.items() if not entry.pins]
-        for key in victims:
-            self._evict(key)
-        return len(victims)
+    def abandon(self, key: ChunkKey, owner: str) -> None:
+        """``owner`` ends without saving ``key``: its reservation goes."""
+        entry = self.index.get(key)
+        if entry is not None and not entry.ready and entry.owner == owner:
+            self.index.drop(key)
 
     def take_ops(self) -> list[StoreOp]:
-        ops, self.pending_ops = self.pending_ops, []
-        return ops
+        return self.index.take_ops() if self.index.pending_ops else []
 
-    def bytes_in(self, tier: Tier) -> int:
-        return self.used[tier]
+    # -- admin -----------------------------------------------------------------
 
-    def _make_room(self, tier: Tier, nbytes: int) -> bool:
-        free = self.capacity[tier] - self.used[tier]
-        if free >= nbytes:
-            return True
-        victims = []
-        for key, entry in self.entries.items():  # least recently used first
-            if entry.tier == tier and not entry.pins and entry.ready:
-                victims.append(key)
-                free += entry.nbytes
-                if free >= nbytes:
-                    break
-        if free < nbytes:
-            return False
-        for key in victims:
-            if tier == "device" and self._fits_cpu(self.entries[key].nbytes):
-                self._demote(key)
-            else:
-                self._evict(key)
-        return True
+    def clear(self) -> int:
+        """Evicts every unpinned chunk; returns how many."""
+        return self.index.clear()
 
-    def _fits_cpu(self, nbytes: int) -> bool:
-        return nbytes <= self.capacity["cpu"] and self._make_room("cpu", nbytes)
+    def admin(
+        self,
+        action: str,
+        token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """The admin endpoint's actions: ``stats``, ``clear``, ``pin`` and
+        ``unpin`` (a stored chunk by its token ids and ``cache_salt``; an
+        admin pin is counted once however often it is asked)."""
+        if action == "clear":
+            return {"evicted": self.clear()}
+        if action == "stats":
+            return self.summary()
+        if action not in ("pin", "unpin"):
+            raise ValueError(f"unknown chunk-cache action {action!r}")
+        if not token_ids:
+            raise ValueError("token_ids must list the chunk's token ids")
+        key = self.key(cache_salt, "", token_ids)
+        entry = self.stored(key)
+        if entry is None:
+            return {"found": False}
+        if action == "pin" and key not in self._admin_pins:
+            self._admin_pins.add(key)
+            self.index.pin(key)
+        elif action == "unpin" and key in self._admin_pins:
+            self._admin_pins.discard(key)
+            self.index.unpin(key)
+        return {"found": True, "pinned": entry.pins > 0}
 
-    def _demote(self, key: ChunkKey) -> None:
-        entry = self.entries[key]
-        self.used["device"] -= entry.nbytes
-        self.used["cpu"] += entry.nbytes
-        entry.tier = "cpu"
-        self.pending_ops.append(StoreOp("demote", key))
+    def gauges(self) -> dict[str, int]:
+        """Current gauges (O(1): read every step)."""
+        index = self.index
+        return {
+            "chunks": len(index.entries),
+            "stored_tokens": index.stored_tokens,
+            "pinned": index.num_pinned,
+            "device_bytes": index.bytes_in("device"),
+            "cpu_bytes": index.bytes_in("cpu"),
+        }
 
-    def _evict(self, key: ChunkKey) -> None:
-        entry = self.entries.pop(key)
-        self.used[entry.tier] -= entry.nbytes
-        self.stats.evictions += 1
-        self.pending_ops.append(StoreOp("evict", key))
+    def summary(self) -> dict[str, Any]:
+        """Counters, gauges, hit rate and capacities (the admin ``stats``)."""
+        from vllm_kvreuse.chunk_cache.stats import COUNTERS
+
+        counts = {name: getattr(self.stats, name) for name in COUNTERS}
+        looked_up = counts["hits"] + counts["misses"]
+        return {
+            **counts,
+            **self.gauges(),
+            "hit_rate": counts["hits"] / looked_up if looked_up else 0.0,
+            "device_capacity_bytes": self.index.capacity["device"],
+            "cpu_capacity_bytes": self.index.capacity["cpu"],
+        }

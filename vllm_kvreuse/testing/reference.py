@@ -50,22 +50,25 @@ def segmented_reference(
     lengths: list[int],
     spans: list[tuple[int, int]],
     steps: int,
-    context: Sequence[int] = (),
+    sources: Sequence[Sequence[int] | None],
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and first-step log-probs of a chunked prompt whose
-    ``spans`` are recomputed, the rest of its chunks loaded ("isolated"
-    mode; every chunk after the first computed after ``context``, the fill
-    context), built with the model's own KV cache and no mask of ours.
+    ``spans`` are computed and whose other chunk positions are loaded,
+    built with the model's own KV cache and no mask of ours.
 
-    A loaded position's KV is the one its chunk computes alone (at its
-    actual positions: within a chunk, RoPE attention depends only on
-    relative positions, so this equals stored KV re-rotated); a recomputed
-    span and the question are run with the cache built so far, so each of
-    their rows attends causally to everything before it, loaded rows as
-    stored. Every step of the chunk cache's segmented prefill, in one place.
+    ``sources[i]`` says what chunk ``i``'s stored KV was computed after, with
+    full attention: the tokens that preceded it where it was first computed
+    (its stored position is their count); None for a chunk computed here,
+    which ``spans`` must cover. A loaded position's KV is its chunk's run
+    after its source, shifted to its actual positions (RoPE attention
+    depends only on relative positions, so this equals stored KV moved by
+    re-rotation); a computed span and the question run with the cache built
+    so far, so each of their rows attends causally to everything before it,
+    loaded rows as stored. Every step of the chunk cache's segmented
+    prefill, in one place.
     """
     end = sum(lengths)
-    cache = _segmented_prefill(model, token_ids[:end], lengths, spans, list(context))
+    cache = _segmented_prefill(model, token_ids[:end], lengths, spans, sources)
     return _greedy(model, cache, token_ids[end:], end, steps)
 
 
@@ -74,11 +77,11 @@ def _segmented_prefill(
     token_ids: list[int],
     lengths: list[int],
     spans: list[tuple[int, int]],
-    context: list[int],
+    sources: Sequence[Sequence[int] | None],
 ) -> Any:
     """The model's KV cache of the chunks ``token_ids``: each loaded position
-    from its chunk computed alone (after ``context``, but the first chunk),
-    each of ``spans`` recomputed on the cache built so far."""
+    from its chunk run after its source, each of ``spans`` computed on the
+    cache built so far."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -86,20 +89,23 @@ def _segmented_prefill(
     end = sum(lengths)
     pos = 0
     for span_start, span_stop in [*spans, (end, end)]:
-        for chunk_start, length in zip(starts, lengths, strict=True):
+        for chunk_start, length, source in zip(starts, lengths, sources, strict=True):
             a, b = max(pos, chunk_start), min(span_start, chunk_start + length)
-            if a < b:  # a load: this chunk computed alone (after the context)
-                before = context if chunk_start else []
-                chunk = token_ids[chunk_start : chunk_start + length]
-                first = chunk_start - len(before)
-                alone = model(
-                    input_ids=torch.tensor([[*before, *chunk]]),
-                    position_ids=torch.arange(first, chunk_start + length)[None],
-                    use_cache=True,
-                ).past_key_values
-                for number, layer in enumerate(alone.layers):
-                    cut = slice(a - first, b - first)
-                    cache.update(layer.keys[:, :, cut], layer.values[:, :, cut], number)
+            if a >= b:
+                continue
+            assert source is not None, (
+                f"chunk at {chunk_start} is neither loaded nor computed"
+            )
+            chunk = token_ids[chunk_start : chunk_start + length]
+            first = chunk_start - len(source)  # the source's first position, moved
+            stored = model(
+                input_ids=torch.tensor([[*source, *chunk]]),
+                position_ids=torch.arange(first, chunk_start + length)[None],
+                use_cache=True,
+            ).past_key_values
+            for number, layer in enumerate(stored.layers):
+                cut = slice(a - first, b - first)
+                cache.update(layer.keys[:, :, cut], layer.values[:, :, cut], number)
         if span_start < span_stop:
             model(
                 input_ids=torch.tensor([token_ids[span_start:span_stop]]),
