@@ -8,6 +8,7 @@ from vllm_kvreuse.chunk_cache.plan import ChunkPlan, PlannedChunk
 from vllm_kvreuse.chunk_cache.recompute import (
     Recompute,
     choose_spans,
+    clip,
     merge,
     parse_recompute,
 )
@@ -58,7 +59,7 @@ def test_merge_joins_touching_and_overlapping_spans() -> None:
 
 def test_the_plan_alternates_loads_and_spans() -> None:
     chunks = [
-        PlannedChunk(b"k", start, length)
+        PlannedChunk(b"k", start, length, stored_start=start)
         for start, length in zip([0, 4, 14, 26], LENGTHS, strict=True)
     ]
     plan = ChunkPlan(chunks, spans=[(4, 7), (14, 17), (30, 34)])
@@ -85,3 +86,11 @@ def test_bad_chunk_recompute_values_are_refused(value) -> None:
 def test_chunk_recompute_values() -> None:
     assert parse_recompute("none") == Recompute()
     assert parse_recompute({"head": 16, "select": 0.25}) == Recompute(16, 0.25, 0.0)
+
+
+def test_recomputed_spans_are_clipped_to_the_moved_chunks() -> None:
+    """Rules recompute only in chunks loaded away from where they were
+    computed: a new chunk is computed whole, an exact one needs nothing."""
+    assert clip([(2, 9), (12, 20)], [(0, 4), (8, 14)]) == [(2, 4), (8, 9), (12, 14)]
+    assert clip([(0, 5)], []) == []
+    assert clip([(0, 5)], [(5, 9)]) == []
