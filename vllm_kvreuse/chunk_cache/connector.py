@@ -16,6 +16,10 @@ in O(1) (vLLM requires one each step) and the worker binds only non-empty
 metadata, so a step that loads and saves nothing makes no per-layer call and
 no worker-side chunk call (docs/chunk_cache.md, "Cost when unused").
 
+Threads: none of its own (loads and saves run on the worker's thread), which
+:mod:`vllm_kvreuse.device.cpu_cores` relies on for every connector of the
+plugin.
+
 Block ownership: the connector never owns KV blocks. It writes into blocks
 vLLM allocated to the loading request and reads blocks of a fill in the
 step that computed them; stored chunks live outside the KV pool.
