@@ -70,3 +70,13 @@ def test_view_hides_only_the_connector() -> None:
     assert view.parallel_config is config.parallel_config
     with pytest.raises(AttributeError):
         view.kv_transfer_config = CHUNK  # type: ignore[misc]
+
+
+def test_only_the_plugins_own_module_paths_count() -> None:
+    """A user's connector named by module path keeps vLLM's reservation,
+    even one whose package name starts like the plugin's."""
+    for path in ("my_connectors.fast", "vllm_kvreuse_extra.connector"):
+        user = KVTransferConfig(
+            kv_connector="Mine", kv_connector_module_path=path, kv_role="kv_both"
+        )
+        assert not is_plugin_connector(user), path
