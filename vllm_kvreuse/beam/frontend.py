@@ -21,6 +21,7 @@ from vllm.entrypoints.generate.beam_search.utils import (
 )
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
+from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
@@ -313,6 +314,14 @@ def _tokens_prompt(engine_input: Any) -> TokensPrompt:
     return prompt
 
 
+def engine_inputs(llm: Any, prompts: list[Any]) -> list[Any]:
+    """``prompts`` rendered as vLLM's own ``LLM.beam_search`` renders them:
+    its renderer's completion path, with default tokenisation."""
+    model_config = llm.model_config
+    parsed = [parse_model_prompt(model_config, prompt) for prompt in prompts]
+    return llm.renderer.render_cmpl(parsed)
+
+
 def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
     def beam_search(
         self: Any,
@@ -323,7 +332,7 @@ def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         vllm_config = self.llm_engine.vllm_config
-        inputs = self._preprocess_cmpl(prompts)
+        inputs = engine_inputs(self, prompts)
         if not KVReuseConfig.from_vllm_config(vllm_config).engine_beam_search or any(
             engine_input["type"] != "token" for engine_input in inputs
         ):

@@ -99,7 +99,7 @@ class ChunkCache(Feature):
             return
         plan, fills, uncached = planned
         self._start_fills(request, fills)
-        self._rehash(request, self.side.block_salt(plan, lengths))
+        self.core.upstream.rehash(request, self.side.block_salt(plan, lengths))
         if uncached or plan.spans:
             self._uncached[request.request_id] = uncached
 
@@ -198,7 +198,7 @@ class ChunkCache(Feature):
             return
         fills = self.side.repin(request)
         if fills is None:
-            self._rehash(request, plan.user_salt)
+            self.core.upstream.rehash(request, plan.user_salt)
             return
         self._start_fills(request, fills)
 
@@ -217,16 +217,10 @@ class ChunkCache(Feature):
                 # The fill's KV is ordinary KV of its prompt.
                 cache_salt=salt,
                 priority=request.priority,
-                block_hasher=request._block_hasher,
+                block_hasher=self.core.upstream.hasher_of(request),
             )
             self.side.add_fill(fill_request, fill)
             self.core.internal.spawn(fill_request, self)
-
-    @staticmethod
-    def _rehash(request: Request, cache_salt: str | None) -> None:
-        request.cache_salt = cache_salt
-        request.block_hashes = []
-        request.update_block_hashes()
 
 
 def _recompute_of(request: Request) -> Recompute | None:

@@ -153,6 +153,4 @@ async def render_chunked(serving: Any, request: Any) -> list[Any] | Any | None:
         **(request.vllm_xargs or {}),
         **internal_args(kvreuse_chunks=lengths),
     }
-    return await serving._check_model(request) or [
-        tokens_input(token_ids, cache_salt=request.cache_salt)
-    ]
+    return [tokens_input(token_ids, cache_salt=request.cache_salt)]

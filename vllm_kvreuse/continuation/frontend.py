@@ -37,6 +37,7 @@ from vllm_kvreuse.continuation.registry import (
     track,
 )
 from vllm_kvreuse.core.request_keys import CHUNKS, PARENT
+from vllm_kvreuse.core.upstream import lora_request_of
 from vllm_kvreuse.request_args import internal_args
 
 CHOICE = "continuation_choice"
@@ -234,7 +235,7 @@ async def resolve_http(
             config.continuation_wait_timeout,
         )  # fmt: skip
     await registry.wait(record, config.continuation_wait_timeout)
-    lora = serving._maybe_get_adapters(request)
+    lora = lora_request_of(serving, request)
     if (lora.lora_name if lora else None) != record.lora_name:
         raise VLLMValidationError(
             "the continuation must use the same LoRA adapter (model) as its "
@@ -270,9 +271,7 @@ async def render_continuation(
         inputs = await resolve_http(serving, request, prompt_given)
     except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
         return error_response(serving, e)
-    if inputs is None:
-        return None
-    return await serving._check_model(request) or inputs
+    return inputs
 
 
 async def render_completion(serving: Any, request: Any) -> list[Any] | Any | None:

@@ -95,8 +95,9 @@ class FeatureSpec:
     ``BeamSearchParams`` vLLM built from it; returns them, marked."""
     render_completion: str = ""
     """``"module:coroutine"`` given the serving object and a completion
-    request: its engine inputs, an error object, or None (not this
-    feature's request)."""
+    request: its engine inputs (a list; the wrapper then runs vLLM's model
+    check, as the unpatched renderer does), an error object, or None (not
+    this feature's request)."""
     render_chat: str = ""
     """The same as ``render_completion``, for a chat request."""
     render_order: int = 0

@@ -32,12 +32,16 @@ _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu"
 
 
+HOOKS = "vllm_kvreuse.beam.runner_hooks"
+"""The one module that reads runner state: the runners' sampler patches."""
+
+
 def _v1(target: str, why: str) -> RunnerState:
-    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, "v1")
+    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, HOOKS, "v1")
 
 
 def _v2(target: str, why: str) -> RunnerState:
-    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, "v2")
+    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, HOOKS, "v2")
 
 
 RUNNER_STATE: tuple[RunnerState, ...] = (
