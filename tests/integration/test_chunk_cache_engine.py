@@ -22,7 +22,7 @@ from tests.integration.chunks import (
     index_of,
 )
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -97,7 +97,7 @@ def test_bad_lengths_run_as_an_ordinary_request(llm) -> None:
     token_ids = SYSTEM + QUESTION
     params = SamplingParams(
         max_tokens=3, temperature=0.0, ignore_eos=True,
-        extra_args=internal_args(kvreuse_chunks=[len(token_ids)]),  # no question left
+        extra_args=seal({CHUNKS: [len(token_ids)]}),  # no question left
     )  # fmt: skip
     (out,) = llm.generate([{"prompt_token_ids": token_ids}], params)
     plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_concurrent_requests_share_one_fill_per_chunk(llm) -> None:
     token_b, lengths_b = chunked_prompt([SYSTEM, doc_d, [8, 9, 10, 11]])
     params = [
         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                       extra_args=internal_args(kvreuse_chunks=lengths))
+                       extra_args=seal({CHUNKS: lengths}))
         for lengths in (lengths_a, lengths_b)
     ]  # fmt: skip
     outs = llm.generate(
@@ -135,7 +135,7 @@ def test_stored_chunks_count_as_hits_for_the_cache_threshold(llm) -> None:
         params = SamplingParams(
             max_tokens=2, temperature=0.0, ignore_eos=True,
             extra_args={
-                **internal_args(kvreuse_chunks=lengths),
+                **seal({CHUNKS: lengths}),
                 "cache_hit_threshold": threshold,
             },
         )  # fmt: skip
@@ -156,7 +156,7 @@ def test_abort_while_waiting_for_chunks_frees_everything(llm, hf_model) -> None:
     token_ids, lengths = chunked_prompt(segments)
     params = SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True,
-        extra_args=internal_args(kvreuse_chunks=lengths),
+        extra_args=seal({CHUNKS: lengths}),
     )  # fmt: skip
     engine = llm.llm_engine
     engine.add_request("parked", {"prompt_token_ids": token_ids}, params)
@@ -180,7 +180,7 @@ def test_a_continuation_of_a_chunked_request_inherits_its_blocks(llm, hf_model) 
     token_ids, lengths = chunked_prompt(segments)
     params = SamplingParams(
         max_tokens=5, temperature=0.0, ignore_eos=True,
-        extra_args={**internal_args(kvreuse_chunks=lengths), "retain_kv": True},
+        extra_args={**seal({CHUNKS: lengths}), "retain_kv": True},
     )  # fmt: skip
     (parent,) = llm.generate([{"prompt_token_ids": token_ids}], params)
     suffix = [11, 12, 13]

@@ -14,12 +14,9 @@ import torch
 
 from vllm_kvreuse.beam.catalog import SidCatalog
 from vllm_kvreuse.beam.catalog_file import load_catalog
-from vllm_kvreuse.beam.policy import LEAF_EOS_KEY, NODE_KEY
 from vllm_kvreuse.config import KVReuseConfig
 
 __all__ = [
-    "LEAF_EOS_KEY",
-    "NODE_KEY",
     "PROCESSOR",
     "PROCESSOR_V2",
     "engine_catalog",

@@ -27,11 +27,10 @@ from vllm.utils.math_utils import cdiv
 
 from vllm_kvreuse.beam.catalog_setup import engine_catalog
 from vllm_kvreuse.beam.metrics import count_beam_group
-from vllm_kvreuse.beam.policy import CONFIG_KEY, BeamConfig
+from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
 from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.core.request_keys import PARENT
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import BEAM, PARENT, seal
 
 
 def check_fits(prompt_len: int, params: BeamSearchParams, vllm_config: Any) -> None:
@@ -165,7 +164,7 @@ def root_sampling_params(
         include_stop_str_in_output=keep_eos or params.include_stop_str_in_output,
         sid_catalog=catalog,
     )
-    internal = {CONFIG_KEY: config.to_dict()}
+    internal: dict[str, Any] = {BEAM: config.to_dict()}
     if (parent := getattr(params, PARENT_ATTR, None)) is not None:
         internal[PARENT] = parent
     return SamplingParams(
@@ -173,7 +172,7 @@ def root_sampling_params(
         temperature=0.0 if catalog else params.temperature,
         watermarking=False,
         detokenize=False,
-        extra_args=internal_args(**internal),
+        extra_args=seal(internal),
     )
 
 

@@ -24,16 +24,7 @@ from vllm.entrypoints.generate.beam_search.utils import (
     create_sort_beams_key_function,
 )
 
-CONFIG_KEY = "kvreuse_beam"
-"""``extra_args`` key of a beam-search root request; its value is a config dict."""
-
-NODE_KEY = "kvreuse_sid_node"
-"""Internal ``extra_args`` key: the SID-catalog trie node a catalog beam's
-next token continues from (0, the root, for the group's first step)."""
-
-LEAF_EOS_KEY = "kvreuse_sid_eos"
-"""Internal ``extra_args`` key: the token allowed after a whole item (EOS),
-absent when a beam at a leaf may not take one (no EOS, ``ignore_eos``)."""
+from vllm_kvreuse.core.request_keys import BEAM
 
 
 def parse_token_id(value: Any) -> int:
@@ -54,15 +45,19 @@ class BeamConfig:
 
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None) -> BeamConfig | None:
-        raw = (extra_args or {}).get(CONFIG_KEY)
-        return cls.parse(raw) if raw else None
+        """A root request's config as the frontend wrote it; None for any
+        other request. Not checked again: :meth:`parse` checked it when the
+        request passed validation (``vllm_kvreuse.request_args``), the one
+        parse it gets; the group carries the result from then on."""
+        raw = (extra_args or {}).get(BEAM)
+        return cls(**raw) if raw else None
 
     @classmethod
     def parse(cls, raw: Any) -> BeamConfig:
         """A config from its dict form, every field checked (``ValueError``)."""
         names = {f.name for f in fields(cls)}
         if not isinstance(raw, dict) or not names >= set(raw) >= _REQUIRED:
-            raise ValueError(f"{CONFIG_KEY} must be a dict with keys {sorted(names)}")
+            raise ValueError(f"{BEAM} must be a dict with keys {sorted(names)}")
         config = cls(**raw)
         if not _is_int(config.width) or not 1 <= config.width <= MAX_WIDTH:
             raise ValueError(f"beam width must be an integer in [1, {MAX_WIDTH}]")
