@@ -20,7 +20,7 @@ import pytest
 
 from tests.unit.private_access import Access, accesses, is_private, owned_by_package
 from vllm_kvreuse.patches import SCHEDULER_OVERRIDES, UPSTREAM_STATE
-from vllm_kvreuse.patches.runner_state import RUNNER_STATE
+from vllm_kvreuse.patches.runner_state import HOOKS, RUNNER_STATE
 from vllm_kvreuse.patches.upstream_state import SEAM
 
 LAYER = "vllm_kvreuse.core.layer"
@@ -115,4 +115,4 @@ def test_the_scan_sees_what_it_must() -> None:
     seen = {(a.module, a.name, a.receiver) for a in accesses()}
     assert ("vllm_kvreuse.core.upstream", "_all_token_ids", "other") in seen
     assert (LAYER, "_free_request", "super") in seen
-    assert ("vllm_kvreuse.beam.runner_hooks", "_model_runner_output", "other") in seen
+    assert (HOOKS, "_model_runner_output", "other") in seen

@@ -2,7 +2,7 @@
 
 Replaces vLLM's front-end beam-search loop (one engine request per beam per
 step, re-sent from the API server) by a single root request; the engine runs
-the steps (:mod:`vllm_kvreuse.beam.feature`) and returns the best beams in
+the steps (:mod:`vllm_kvreuse.beam.scheduler.feature`) and returns the best beams in
 the root's final output, which is turned into the same ``RequestOutput``
 the front-end loop yields. Off by default; with the flag off the original
 loop runs unchanged.
@@ -25,7 +25,7 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
-from vllm_kvreuse.beam.catalog_setup import engine_catalog
+from vllm_kvreuse.beam.catalog.load import engine_catalog
 from vllm_kvreuse.beam.metrics import count_beam_group
 from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
@@ -150,7 +150,7 @@ def root_sampling_params(
     ``keep_eos``: a beam ended by EOS keeps the EOS token (offline
     ``LLM.beam_search`` does; the OpenAI server follows
     ``include_stop_str_in_output``). The root asks for no log-probs: its
-    step runs next to the logits (:mod:`vllm_kvreuse.beam.worker`). Catalog
+    step runs next to the logits (:mod:`vllm_kvreuse.beam.worker.job`). Catalog
     beams are scored at temperature 0: their log-probs are the model's,
     whatever the sampler.
     """

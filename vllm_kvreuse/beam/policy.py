@@ -7,7 +7,7 @@ a beam, :attr:`BeamConfig.row_size`); a candidate ending in EOS completes a beam
 unless ``ignore_eos``; the other candidates compete by cumulative log-prob and
 the best ``width`` live on. Ties go to the lower beam index, then the lower
 token id (:func:`rank`: one total order, shared with the device step,
-:mod:`vllm_kvreuse.beam.select`). At the end, completed and live beams are
+:mod:`vllm_kvreuse.beam.worker.select`). At the end, completed and live beams are
 ranked by vLLM's own length-penalised score (``create_sort_beams_key_function``).
 """
 
@@ -192,7 +192,7 @@ def expand(
     A candidate has a finite log-prob; EOS (unless ignored) completes a
     beam; the best ``width`` other candidates by score live on, ties to the
     lower beam index, then the lower token id (:func:`rank`). The device
-    step (:mod:`vllm_kvreuse.beam.select`) selects with the same order.
+    step (:mod:`vllm_kvreuse.beam.worker.select`) selects with the same order.
     """
     step = Step()
     arrays = [row if isinstance(row, Row) else Row.of(row) for row in rows]
@@ -273,7 +273,7 @@ def step_from_result(
     beams: Sequence[Beam],
     config: BeamConfig,
 ) -> Step:
-    """The :class:`Step` a device step chose (:mod:`vllm_kvreuse.beam.select`):
+    """The :class:`Step` a device step chose (:mod:`vllm_kvreuse.beam.worker.select`):
     next beams best first, each naming its parent beam's request; completed
     beams as the host lists them (catalog items complete as they are first,
     then EOS endings, each in beam order)."""

@@ -22,7 +22,7 @@ SPEC = FeatureSpec(
         ),
         Option(
             "sid_catalog",
-            parse_file,  # parsed where the engine starts (catalog_file.load_catalog)
+            parse_file,  # parsed where the engine starts (catalog.file.load_catalog)
             "",
             "SID catalog file (format: docs/sid_catalog.md), built at start-up "
             "into a trie that beam-search requests asking for it are constrained "
@@ -49,7 +49,7 @@ SPEC = FeatureSpec(
         ),
     ),
     switch="engine_beam_search",
-    feature="vllm_kvreuse.beam.feature:EngineBeamSearch",
+    feature="vllm_kvreuse.beam.scheduler.feature:EngineBeamSearch",
     attach_engine_args="vllm_kvreuse.beam.engine_args:attach_catalog_processor",
     finalize_vllm_config="vllm_kvreuse.beam.engine_args:finalize_vllm_config",
     check_body="vllm_kvreuse.beam.body:check_body",

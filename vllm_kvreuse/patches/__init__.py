@@ -18,7 +18,7 @@ would let us delete it.
   checked per release on real objects (``tests/unit/test_upstream_state.py``)
   and against the package's code (``tests/unit/test_private_access.py``);
 - ``runner_state.py``: not patches either: the model-runner attributes the
-  beam step reads (:mod:`vllm_kvreuse.beam.runner_hooks`), checked on live
+  beam step reads (:mod:`vllm_kvreuse.beam.worker.runner_hooks`), checked on live
   workers of each runner (``tests/integration/test_runner_tier.py``).
 
 Rules:

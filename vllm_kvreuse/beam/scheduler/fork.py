@@ -17,8 +17,8 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm_kvreuse.beam.policy import Beam, Step, logprob_row
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.beam.group import BeamGroup
-    from vllm_kvreuse.beam.members import Members
+    from vllm_kvreuse.beam.scheduler.group import BeamGroup
+    from vllm_kvreuse.beam.scheduler.members import Members
 
 
 class ForkSteps:

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.beam.group import Phase
+from vllm_kvreuse.beam.scheduler.group import Phase
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.beam.group import BeamGroup
+    from vllm_kvreuse.beam.scheduler.group import BeamGroup
     from vllm_kvreuse.core.upstream import Upstream
 
 

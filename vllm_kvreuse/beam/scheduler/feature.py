@@ -1,17 +1,18 @@
 """Beam search inside the engine, beams forking their parent's KV blocks.
 
 A beam group starts from one root request (``extra_args["kvreuse_beam"]``)
-that the frontend sends instead of one request per beam per step. Each
-step runs next to the logits in the worker that samples it
-(:mod:`.worker`): the scheduler names the step's groups in its output
-(:meth:`BeamGroup.plan`), the worker returns each group's next beams
-(:mod:`.plan`). The root's prefill gives the first step; then the group's
-step strategy, chosen once, runs the rest: *live* (:mod:`.live`) where
-blocks can be handed over (full attention, prefix caching): ``width``
-member requests for the whole search, the workers applying each step
-themselves, so a group advances every engine step under async scheduling
-too; else *fork* (:mod:`.fork`): each step's beams are new one-token
-requests whose log-prob rows are ranked on the host (:mod:`.policies`).
+that the frontend sends instead of one request per beam per step. Each step
+runs next to the logits in the worker that samples it
+(:mod:`~vllm_kvreuse.beam.worker.job`): the scheduler names the step's
+groups in its output (:meth:`BeamGroup.plan`), the worker returns each
+group's next beams (:mod:`~vllm_kvreuse.beam.plan`). The root's prefill
+gives the first step; then the group's step strategy, chosen once, runs the
+rest: *live* (:mod:`.live`) where blocks can be handed over (full attention,
+prefix caching): ``width`` member requests for the whole search, the workers
+applying each step themselves, so a group advances every engine step under
+async scheduling too; else *fork* (:mod:`.fork`): each step's beams are new
+one-token requests whose log-prob rows are ranked on the host
+(:mod:`.policies`).
 
 Block ownership: live members own their blocks as any running request
 (the prompt's full blocks shared, the rest their own); a fork member's
@@ -26,7 +27,7 @@ aborted and the workers forget its beams.
 
 Admission: a step is admitted whole (:mod:`.gate`). Outputs: the root's and
 members' outputs never reach the client; the root's client gets one final
-output whose ``stop_reason`` carries the best beams (:mod:`.result`).
+output whose ``stop_reason`` carries the best beams (:mod:`~vllm_kvreuse.beam.result`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.beam import live
 from vllm_kvreuse.beam import result as beam_result
-from vllm_kvreuse.beam.catalog_setup import engine_catalog
-from vllm_kvreuse.beam.fork import ForkSteps
-from vllm_kvreuse.beam.gate import steps_that_do_not_fit
-from vllm_kvreuse.beam.group import BeamGroup, Phase
-from vllm_kvreuse.beam.live import OWNER, LiveSteps
-from vllm_kvreuse.beam.members import Members
+from vllm_kvreuse.beam.catalog.load import engine_catalog
 from vllm_kvreuse.beam.plan import (
     GroupResult,
     GroupStep,
@@ -53,8 +48,14 @@ from vllm_kvreuse.beam.plan import (
     results_of,
     steps_of,
 )
-from vllm_kvreuse.beam.policies import policy_for
 from vllm_kvreuse.beam.policy import BeamConfig, best
+from vllm_kvreuse.beam.scheduler import live
+from vllm_kvreuse.beam.scheduler.fork import ForkSteps
+from vllm_kvreuse.beam.scheduler.gate import steps_that_do_not_fit
+from vllm_kvreuse.beam.scheduler.group import BeamGroup, Phase
+from vllm_kvreuse.beam.scheduler.live import OWNER, LiveSteps
+from vllm_kvreuse.beam.scheduler.members import Members
+from vllm_kvreuse.beam.scheduler.policies import policy_for
 from vllm_kvreuse.core.feature import Feature
 
 if TYPE_CHECKING:
@@ -176,7 +177,8 @@ class EngineBeamSearch(Feature):
     def on_model_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> None:
-        """The workers' results of the step's groups (:mod:`.plan`)."""
+        """The workers' results of the step's groups
+        (:mod:`~vllm_kvreuse.beam.plan`)."""
         # Samples this output's step made outside a group step: taken back
         # as their outputs are read (_take), and no longer in flight.
         self._outside_now = outside_of(scheduler_output)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvreuse.beam.group import BeamGroup, member_request
+from vllm_kvreuse.beam.scheduler.group import BeamGroup, member_request
 
 if TYPE_CHECKING:
     from vllm_kvreuse.core.context import Core

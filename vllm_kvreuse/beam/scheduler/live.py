@@ -5,15 +5,15 @@ the root (its full blocks by reference, its partial tail copy-on-write),
 and keeps them to its last step: each carries one beam, or none while the
 group has fewer beams than places. A member never finishes with a step.
 
-Each step runs next to the logits (:mod:`.worker`) and the workers apply
-it themselves: they keep the group's beams (which member carries which,
-the scores, the trie nodes), pick the next beams, give each to a member
-(a parent's first child stays on the parent's member; every other child
-takes a *spare*, a member whose beam has no child, then an idle one), set
-each carrier's sampled token to its beam's token, and copy a moved beam's
-parent's private KV blocks (past the prompt's full blocks, which all share)
-into the member that takes it. So the next step needs nothing from the
-scheduler and runs at once, with async scheduling too: a group advances
+Each step runs next to the logits (:mod:`~vllm_kvreuse.beam.worker.job`) and
+the workers apply it themselves: they keep the group's beams (which member
+carries which, the scores, the trie nodes), pick the next beams, give each
+to a member (a parent's first child stays on the parent's member; every
+other child takes a *spare*, a member whose beam has no child, then an idle
+one), set each carrier's sampled token to its beam's token, and copy a moved
+beam's parent's private KV blocks (past the prompt's full blocks, which all
+share) into the member that takes it. So the next step needs nothing from
+the scheduler and runs at once, with async scheduling too: a group advances
 one token per engine step. The scheduler's requests follow when the result
 comes (:meth:`LiveSteps.apply`: a moved member's token history becomes its
 new parent's); block tables never change, and a member's blocks past the
@@ -43,8 +43,8 @@ from vllm_kvreuse.beam.plan import GroupResult
 from vllm_kvreuse.beam.policy import Beam, Step
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.beam.group import BeamGroup
-    from vllm_kvreuse.beam.members import Members
+    from vllm_kvreuse.beam.scheduler.group import BeamGroup
+    from vllm_kvreuse.beam.scheduler.members import Members
     from vllm_kvreuse.core.context import Core
     from vllm_kvreuse.core.upstream import Upstream
 
@@ -56,7 +56,7 @@ def carriers(
     parents: list[str], children: list[str]
 ) -> tuple[list[str | None], list[str]]:
     """Which request carries each next beam (the host's statement of the
-    worker's :func:`vllm_kvreuse.beam.select.carriers`).
+    worker's :func:`vllm_kvreuse.beam.worker.select.carriers`).
 
     ``parents``: this step's members, in beam order; ``children``: for each
     next beam, in order, its parent's member. Returns, for each child, its
@@ -149,8 +149,9 @@ def stalled(
 
 class LiveSteps:
     """The step strategy of live groups: spawns ``width`` members once;
-    each step the workers put the next beams on them (:mod:`.worker`), and
-    the scheduler's requests follow."""
+    each step the workers put the next beams on them
+    (:mod:`~vllm_kvreuse.beam.worker.job`), and the scheduler's requests
+    follow."""
 
     def __init__(self, core: Core, members: Members) -> None:
         self.core = core

@@ -20,7 +20,7 @@ any costs one dict truth test. vLLM's two model runners have two processor
 interfaces: :class:`CatalogLogitsProcessor` for the V1 runner (batch updates
 keyed by persistent-batch row), :class:`CatalogLogitsProcessorV2` for the V2
 runner (per-slot state, rows mapped to slots each step). Both mask through
-:func:`mask_catalog_rows`; ``catalog_setup.select_catalog_processor`` names
+:func:`mask_catalog_rows`; ``load.select_catalog_processor`` names
 the one the engine's runner loads.
 """
 
@@ -40,8 +40,8 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcessor as LogitsProcessorV2,
 )
 
-from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.catalog_setup import engine_catalog
+from vllm_kvreuse.beam.catalog.load import engine_catalog
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.core.request_keys import SID_EOS, SID_NODE
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """One step of catalog-constrained beams inside the engine.
 
 Each beam's request returns its top log-probs *after* the catalog mask
-(:mod:`.catalog_processor`), so its row already holds its trie node's best
+(:mod:`.processor`), so its row already holds its trie node's best
 children with their true log-probs, plus the mask's sink and the sampled
 token. The step keeps each beam's legal candidates (its node's children; at
 a leaf, EOS unless the request ignores it), best ``row_size`` first, ties
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
-from vllm_kvreuse.beam.catalog import SidCatalog
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row, Step, expand
 from vllm_kvreuse.core.request_keys import SID_EOS, SID_NODE
 
