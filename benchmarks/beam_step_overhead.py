@@ -35,7 +35,7 @@ timed alike); everything else is overhead:
 - ``update``: ``Scheduler.update_from_output`` less the beam step
   (finishing requests, routing outputs, reading log-prob rows);
 - ``spawn``: creating and queueing new member requests
-  (``Members.spawn``: the group's first step);
+  (``GroupTable.spawn``: the group's first step);
 - ``reseat``: the scheduler following the workers' step
   (``LiveSteps.apply``: moved members' token histories, carriers' tokens;
   before issue 30, ``Reseats.move``: blocks, tail copies, tokens, hashes);
@@ -157,7 +157,7 @@ class Timers:
         self.wrap(engine.output_processor, "process_outputs", "front")
         beam = scheduler.feature("beam")
         self.wrap(beam, "_advance", "rank")
-        self.wrap(beam.members, "spawn", "spawn")
+        self.wrap(beam.groups, "spawn", "spawn")
         self.wrap(beam.live_steps, "apply", "reseat")
         from vllm_kvreuse.beam.worker.job import BeamJob
 

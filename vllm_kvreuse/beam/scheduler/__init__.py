@@ -1,8 +1,10 @@
 """Beam search in the engine core: the hook-layer feature and what it owns.
 
-- ``feature.py``: the hook-layer feature: group lifecycle, steps;
+- ``feature.py``: the hook-layer feature: dispatches each hook to the parts
+  below;
+- ``groups.py``: the group table, the one owner of groups' membership and
+  lifecycle (start, spawn, forget, drop);
 - ``group.py``: a group's state, a beam's request;
-- ``members.py``: a search's root and member requests, by id; spawning;
 - ``live.py``: live beams, one engine request per beam for the whole search
   (the live step strategy);
 - ``fork.py``: one new request per beam per step, ranked on the host (the

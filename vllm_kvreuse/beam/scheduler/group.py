@@ -2,9 +2,18 @@
 
 Free of the hook layer: :class:`BeamGroup` is everything one search
 remembers between steps; :func:`member_request` builds the request that
-computes one beam's next token. Both are read and mutated only by
-:class:`~vllm_kvreuse.beam.scheduler.feature.EngineBeamSearch` and the group's step
-strategy (:mod:`.live`, :mod:`.fork`).
+computes one beam's next token. Who changes a group (nobody else):
+
+- the group table (:mod:`.groups`): creates it; counts each member it
+  spawns (``num_forks``, ``num_copied_blocks``);
+- the feature (:mod:`.feature`): ``phase``; what a step's outputs bring
+  (``result``, ``snapshots``, ``delivered``, the root's ``prefill_stats``
+  and ``kv_transfer_params``, ``num_member_computed_tokens``); what
+  applying a step changes (``step``, ``completed``, ``previous``, and
+  ``beams`` as a strategy returns them);
+- the step strategies: :mod:`.live` (``members``, ``started``, ``outside``,
+  ``snapshots`` once applied, and the moves it counts), :mod:`.fork`
+  (``rows``).
 """
 
 from __future__ import annotations
@@ -107,6 +116,16 @@ class BeamGroup:
         group's members, else the beams' requests (the root's, fork
         members')."""
         return self.members if self.phase is Phase.LIVE else self.member_ids
+
+    def has_step(self) -> bool:
+        """A whole step is in, to be applied: the root's (its result, and its
+        own sample delivered), a live group's (the workers applied it), or
+        every fork member's row."""
+        if self.phase is Phase.FORK:
+            return bool(self.rows) and len(self.rows) == len(self.beams)
+        if self.phase is Phase.ROOT and self.root_id not in self.delivered:
+            return False
+        return self.result is not None
 
     @property
     def beam_ids(self) -> list[str]:
