@@ -1,7 +1,8 @@
 """Finds every attribute access of the package, and whose attribute it is.
 
-An access is ``obj.name`` (read, written, deleted or called), or a name
-given as a constant to ``getattr``/``setattr``/``hasattr``/``delattr``,
+An access is ``obj.name`` (read, written, deleted or called), a name
+imported from a module outside the package (``from x import _y``), or a
+name given as a constant to ``getattr``/``setattr``/``hasattr``/``delattr``,
 ``object.__getattribute__``/``object.__setattr__`` or ``vars(obj)[...]``
 (a name held in a module constant or iterated from a literal tuple counts
 too; a name computed at run time cannot be read, and is not checked).
@@ -67,8 +68,9 @@ def modules() -> list[Path]:
 @dataclass(frozen=True, slots=True)
 class Access:
     """One attribute access: ``receiver`` is ``self`` (also ``cls`` and
-    ``super()``), ``module`` (a package module imported by name) or
-    ``other``; ``owner_class`` the enclosing class's qualname."""
+    ``super()``), ``module`` (a package module imported by name), ``import``
+    (a name imported from outside the package) or ``other``;
+    ``owner_class`` the enclosing class's qualname."""
 
     module: str
     line: int
@@ -114,6 +116,16 @@ class _Visitor(ast.NodeVisitor):
             for name in self._names(node.args[1]):
                 self._add(node.args[0], name, node.lineno, store, False)
         self.generic_visit(node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        """``from upstream import _name``: a private name of another module."""
+        if node.level == 0 and (node.module or "").split(".")[0] != ROOT:
+            for alias in node.names:
+                access = Access(
+                    self.module, node.lineno, alias.name, "import", None,
+                    None, False, False,
+                )  # fmt: skip
+                self.found.append(access)
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
         value = node.value
@@ -376,6 +388,8 @@ def owned_by_package(access: Access) -> bool:
     upstream class the package imports also defines is never the package's:
     which one is meant cannot be told."""
     name = access.name
+    if access.receiver == "import":  # a name imported from outside the package
+        return False
     if access.receiver == "module":
         return name in top_level_names(access.receiver_module or "")
     if access.receiver == "other" or access.owner_class is None:

@@ -27,9 +27,11 @@ HOOKS = PACKAGE.parent / Path(*HOOKS_MODULE.split(".")).with_suffix(".py")
 """The runner side's one module that reads runner state (RUNNER_STATE)."""
 
 
-def _owner_class(entry: UpstreamState) -> type:
-    module, qualname = entry.owner.split(":")
-    return getattr(importlib.import_module(module), qualname)
+def _owner_class(entry: UpstreamState) -> Any:
+    """The entry's owner class, or its module for a module's function."""
+    module, _, qualname = entry.owner.partition(":")
+    owner: Any = importlib.import_module(module)
+    return getattr(owner, qualname) if qualname else owner
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ scheduler-output state that the features and services need, beyond what a
 public upstream method does for them, is made here: the block tables and
 their copy-on-write queue, the running and waiting queues and the seat
 limits, a request's private token lists and its block hashes, the step
-output's parallel lists; and the one private serving method a renderer
-needs (a request's LoRA adapter). The services (:mod:`.resend`,
+output's parallel lists; and, outside the scheduler, the one private
+serving method a renderer needs (a request's LoRA adapter) and the KV
+packing vLLM's CPU attention chose (the device layer reads its caches in
+it). The services (:mod:`.resend`,
 :mod:`.ledger`) and the features call these methods; they decide, this
 module applies.
 
@@ -311,6 +313,14 @@ def block_ids(manager: KVCacheManager, request_id: str) -> tuple[list[int], ...]
     """The request's block ids in each KV-cache group (a connector has the
     manager, :meth:`KVConnectorBase_V1.bind_kv_cache_manager`)."""
     return manager.get_block_ids(request_id)
+
+
+def cpu_attn_isa(dtype: Any, block_size: int, head_size: int, kv_dtype: str) -> str:
+    """The packing vLLM's CPU attention chose for a layer's KV cache (it
+    imports CPU-only code: call on CPU)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, kv_dtype)
 
 
 def lora_request_of(serving: Any, request: Any) -> Any:

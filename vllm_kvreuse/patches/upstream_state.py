@@ -33,7 +33,8 @@ SEAM = "vllm_kvreuse.core.upstream"
 @dataclass(frozen=True, slots=True)
 class UpstreamState:
     """One upstream attribute the plugin touches: ``target`` is
-    ``"module:Owner.attr"``; ``releases`` maps a vLLM release to the
+    ``"module:Owner.attr"`` (``"module:function"`` for a module's own
+    function, whose owner is the module); ``releases`` maps a vLLM release to the
     method's signature, or :data:`ATTRIBUTE`; ``seam`` is the one module
     that touches it (:data:`SEAM`, or a registered patch's own module)."""
 
@@ -44,11 +45,12 @@ class UpstreamState:
 
     @property
     def owner(self) -> str:
-        return self.target.rsplit(".", 1)[0]
+        module, _, path = self.target.partition(":")
+        return f"{module}:{path.rpartition('.')[0]}" if "." in path else module
 
     @property
     def name(self) -> str:
-        return self.target.rsplit(".", 1)[1]
+        return self.target.partition(":")[2].rpartition(".")[2]
 
 
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
@@ -242,6 +244,7 @@ _OUTPUT = (
 )
 
 _SERVING = "vllm.entrypoints.serve.engine.serving:BaseServing"
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 
 _FRONTEND = (
     _method(
@@ -258,6 +261,14 @@ _FRONTEND = (
         "a continuation must use its parent's LoRA adapter: the one vLLM will "
         "run it with, or vLLM's own not-found error",
         "sha256:4ac69e8098989020",
+    ),
+    _method(
+        f"{_CPU_ATTN}:_get_attn_isa",
+        "the chunk cache reads and writes vLLM's CPU attention cache in the "
+        "packing that attention chose for it (AMX, VEC, VEC16, ...); vLLM "
+        "keeps the choice nowhere public before the first forward pass",
+        "(dtype: torch.dtype, block_size: int, head_size: int | None = None, "
+        "kv_cache_dtype: str | None = None) -> str",
     ),
     _attr(
         "argparse:ArgumentParser._action_groups",
