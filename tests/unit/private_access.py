@@ -3,9 +3,10 @@
 An access is ``obj.name`` (read, written, deleted or called), a name
 imported from a module outside the package (``from x import _y``), or a
 name given as a constant to ``getattr``/``setattr``/``hasattr``/``delattr``,
-``object.__getattribute__``/``object.__setattr__`` or ``vars(obj)[...]``
-(a name held in a module constant or iterated from a literal tuple counts
-too; a name computed at run time cannot be read, and is not checked).
+``object.__getattribute__``/``object.__setattr__``, ``vars(obj)[...]`` or
+``obj.__dict__[...]`` (a name held in a module constant or iterated from
+a literal tuple counts too; a name computed at run time cannot be read,
+and is not checked).
 
 Whose: a private name (``_x``, not a dunder) belongs to the package when
 
@@ -129,15 +130,20 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
         value = node.value
+        namespace_of = None  # vars(obj)[...], obj.__dict__[...]
         if (
             isinstance(value, ast.Call)
             and isinstance(value.func, ast.Name)
             and value.func.id == "vars"
             and value.args
         ):
+            namespace_of = value.args[0]
+        elif isinstance(value, ast.Attribute) and value.attr == "__dict__":
+            namespace_of = value.value
+        if namespace_of is not None:
             store = not isinstance(node.ctx, ast.Load)
             for name in self._names(node.slice):
-                self._add(value.args[0], name, node.lineno, store, False)
+                self._add(namespace_of, name, node.lineno, store, False)
         self.generic_visit(node)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
