@@ -30,12 +30,12 @@ timed alike); everything else is overhead:
 - ``sample``: the runner's ``sample_tokens`` less the model and the beam
   step (sampler, top-k log-probs, output lists);
 - ``select``: the beam step next to the logits
-  (:class:`vllm_kvreuse.beam.worker.BeamJob`: log-softmax, the group's
+  (:class:`vllm_kvreuse.beam.worker.job.BeamJob`: log-softmax, the group's
   top-``W``, carriers, sampled tokens overwritten);
 - ``update``: ``Scheduler.update_from_output`` less the beam step
   (finishing requests, routing outputs, reading log-prob rows);
 - ``spawn``: creating and queueing new member requests
-  (``Members.spawn``: the group's first step);
+  (``GroupTable.spawn``: the group's first step);
 - ``reseat``: the scheduler following the workers' step
   (``LiveSteps.apply``: moved members' token histories, carriers' tokens;
   before issue 30, ``Reseats.move``: blocks, tail copies, tokens, hashes);
@@ -157,9 +157,9 @@ class Timers:
         self.wrap(engine.output_processor, "process_outputs", "front")
         beam = scheduler.feature("beam")
         self.wrap(beam, "_advance", "rank")
-        self.wrap(beam.members, "spawn", "spawn")
+        self.wrap(beam.groups, "spawn", "spawn")
         self.wrap(beam.live_steps, "apply", "reseat")
-        from vllm_kvreuse.beam.worker import BeamJob
+        from vllm_kvreuse.beam.worker.job import BeamJob
 
         self.wrap(BeamJob, "prepare", "select")
         self.wrap(BeamJob, "finish", "select")

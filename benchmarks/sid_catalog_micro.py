@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_kvreuse.beam.catalog_file import load_catalog
+from vllm_kvreuse.beam.catalog.file import load_catalog
 from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.testing.catalog_reference import step
 

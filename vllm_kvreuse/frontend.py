@@ -111,9 +111,15 @@ def wrap_new_completion_output(original: Callable[..., Any]) -> Callable[..., An
 
 
 async def _render(field: str, serving: Any, request: Any) -> Any | None:
-    """What the first renderer that claims ``request`` returns; else None."""
+    """What the first renderer that claims ``request`` returns; else None.
+
+    Engine inputs (a list) pass vLLM's model check before they are returned,
+    as the unpatched renderer's inputs do: its LoRA look-up and request log.
+    """
     for render in _renderers(field):
         result = await render(serving, request)
+        if isinstance(result, list):
+            return await serving._check_model(request) or result
         if result is not None:
             return result
     return None

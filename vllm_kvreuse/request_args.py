@@ -8,26 +8,35 @@ or ``core``), a visibility, and a validator:
 
 - *public* keys may be set by any client: a top-level HTTP body field of the
   same name, ``vllm_xargs``, or ``SamplingParams(extra_args=...)`` offline;
-- *internal* keys are set by the plugin alone. The plugin seals the
-  ``extra_args`` it writes (:func:`internal_args`) with a per-process token
-  that no client can know, and :func:`validate` refuses an internal key
-  without it. So a client that sends ``vllm_xargs: {"kvreuse_beam": ...}``
-  gets a 400 naming the key, and no forged internal key reaches the engine.
+- *internal* keys are set by the plugin alone. Each is defined in
+  :mod:`vllm_kvreuse.core.request_keys`, whose :func:`~vllm_kvreuse.core.
+  request_keys.seal` marks the ``extra_args`` the plugin writes with a
+  per-process token that no client can know, and :func:`validate` refuses
+  an internal key without it. So a client that sends ``vllm_xargs:
+  {"kvreuse_beam": ...}`` gets a 400 naming the key, and no forged internal
+  key reaches the engine.
 
 :func:`validate` runs in the frontend process for every request, HTTP or
-offline (the ``InputProcessor._validate_params`` patch), and refuses public
-keys whose feature is off on this server, with the flag that turns it on.
-The engine trusts what passed; it still contains a failure to the one
-request (see :mod:`vllm_kvreuse.core.layer`).
+offline (the ``InputProcessor._validate_params`` patch), parses every key
+it knows (the one parse a request's plugin keys get: the engine reads what
+passed as it is), and refuses public keys whose feature is off on this
+server, with the flag that turns it on. The engine trusts what passed; it
+still contains a failure to the one request (see
+:mod:`vllm_kvreuse.core.layer`).
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_kvreuse.core.request_keys import CORE_KEYS, PARENT, PREFIX, SEAL
+from vllm_kvreuse.core.request_keys import (
+    CORE_KEYS,
+    INTERNAL,
+    PARENT,
+    PREFIX,
+    is_sealed,
+)
 from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
 from vllm_kvreuse.features import SPECS
 
@@ -42,15 +51,11 @@ __all__ = [
     "BadRequestArgs",
     "KeyTable",
     "check_client_keys",
-    "internal_args",
-    "is_sealed",
     "validate",
 ]
 
 Owner = str
 """A feature's spec name, or ``core``."""
-
-_TOKEN = secrets.token_hex(16)  # per process; never leaves this process's API
 
 
 class BadRequestArgs(ValueError):
@@ -77,20 +82,14 @@ class KeyTable:
         """Every key: each feature's (from its spec), then core's."""
         self.by_name: dict[str, ArgKey] = {key.name: key for key in self.keys}
         assert len(self.by_name) == len(self.keys), "two request keys share a name"
+        stray = {key.name for key in self.keys if not key.public} - INTERNAL
+        assert not stray, f"define internal keys in core/request_keys.py: {stray}"
         self.public_fields = tuple(key.name for key in self.keys if key.public)
         """Public keys, also accepted as top-level HTTP body fields."""
         self.enabling_flag: dict[Owner, str] = {
             spec.name: spec.enabling_flag for spec in specs
         }
         """For each feature, the flag a request using it is told to turn on."""
-
-    def internal_args(self, **values: Any) -> dict[str, Any]:
-        """``extra_args`` entries only the plugin may write, validated and sealed."""
-        for name, value in values.items():
-            key = self.by_name[name]
-            assert not key.public, f"{name} is public: set it directly"
-            key.parse(value)
-        return {**values, SEAL: _TOKEN}
 
     def check_client_keys(self, extra_args: Mapping[str, Any] | None) -> None:
         """Refuses internal or unknown plugin keys in what a client sent
@@ -134,17 +133,12 @@ class KeyTable:
                 raise BadRequestArgs(str(e), name) from None
 
 
-def is_sealed(extra_args: Mapping[str, Any]) -> bool:
-    return extra_args.get(SEAL) == _TOKEN
-
-
 TABLE = KeyTable(SPECS)
 """The keys of every feature in :data:`~vllm_kvreuse.features.SPECS`."""
 KEYS: tuple[ArgKey, ...] = TABLE.keys
 KEYS_BY_NAME: dict[str, ArgKey] = TABLE.by_name
 PUBLIC_FIELDS: tuple[str, ...] = TABLE.public_fields
 ENABLING_FLAG: dict[Owner, str] = TABLE.enabling_flag
-internal_args = TABLE.internal_args
 check_client_keys = TABLE.check_client_keys
 validate = TABLE.validate
 

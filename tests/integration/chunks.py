@@ -16,7 +16,7 @@ from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 from vllm_kvreuse.chunk_cache.index import ChunkIndex
 from vllm_kvreuse.chunk_cache.recompute import Recompute, choose_spans, clip, merge
 from vllm_kvreuse.core.accounting import check_block_accounting
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import CHUNKS, seal
 from vllm_kvreuse.testing.reference import chunk_attention_mask, segmented_reference
 
 SYSTEM = list(range(100, 140))
@@ -55,7 +55,7 @@ def generate(
     llm: LLM, segments: list[list[int]], max_tokens: int = 6, recompute: Any = None
 ) -> RequestOutput:
     token_ids, lengths = chunked_prompt(segments)
-    extra_args = internal_args(kvreuse_chunks=lengths)
+    extra_args = seal({CHUNKS: lengths})
     if recompute is not None:
         extra_args["chunk_recompute"] = recompute
     params = SamplingParams(

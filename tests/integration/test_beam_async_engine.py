@@ -90,4 +90,4 @@ def test_same_beams_as_vllm_loop_under_pressure(llm: LLM, ignore_eos: bool) -> N
     expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
     got = summary(llm.beam_search(batch, params, concurrency_limit=2))
     assert got == expected
-    assert not scheduler_of(llm).feature("beam")._groups
+    assert scheduler_of(llm).feature("beam").groups.is_empty()

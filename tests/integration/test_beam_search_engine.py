@@ -54,7 +54,7 @@ def test_same_beams_as_vllm_offline_loop(llm: LLM, ignore_eos: bool) -> None:
         assert [tokens for tokens, _ in have] == [tokens for tokens, _ in want]
         for (_, a), (_, b) in zip(have, want, strict=True):
             assert a == pytest.approx(b, abs=1e-3)
-    assert not scheduler_of(llm).feature("beam")._groups, "groups outlived search"
+    assert scheduler_of(llm).feature("beam").groups.is_empty(), "groups outlived search"
 
 
 def test_sequences_hold_prompt_text_and_finish_reason(llm: LLM) -> None:

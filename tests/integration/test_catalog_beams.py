@@ -18,7 +18,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import BeamSearchParams
 
 from tests.integration.conftest import make_llm
-from vllm_kvreuse.beam.catalog_processor import mask_with_sink
+from vllm_kvreuse.beam.catalog.processor import mask_with_sink
 from vllm_kvreuse.beam.frontend import catalog_beam_params
 
 pytestmark = pytest.mark.usefixtures("no_leak")

@@ -25,7 +25,7 @@ from tests.integration.chunks import (
 )
 from tests.integration.conftest import scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 PLAIN = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -149,7 +149,7 @@ def test_bad_lengths_run_as_an_ordinary_request(llm) -> None:
     token_ids = SYSTEM + QUESTION
     params = SamplingParams(
         max_tokens=3, temperature=0.0, ignore_eos=True,
-        extra_args=internal_args(kvreuse_chunks=[len(token_ids)]),  # no question left
+        extra_args=seal({CHUNKS: [len(token_ids)]}),  # no question left
     )  # fmt: skip
     (out,) = llm.generate([{"prompt_token_ids": token_ids}], params)
     plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -167,7 +167,7 @@ def test_concurrent_requests_with_a_new_chunk_both_compute_it(llm) -> None:
     token_b, lengths_b = chunked_prompt([SYSTEM, doc_d, [8, 9, 10, 11]])
     params = [
         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                       extra_args=internal_args(kvreuse_chunks=lengths))
+                       extra_args=seal({CHUNKS: lengths}))
         for lengths in (lengths_a, lengths_b)
     ]  # fmt: skip
     outs = llm.generate(
@@ -188,7 +188,7 @@ def test_stored_chunks_count_as_hits_for_the_cache_threshold(llm) -> None:
     token_ids, lengths = chunked_prompt(segments)
 
     def ask(threshold: float | None):
-        extra_args = internal_args(kvreuse_chunks=lengths)
+        extra_args = seal({CHUNKS: lengths})
         if threshold is not None:
             extra_args["cache_hit_threshold"] = threshold
         params = SamplingParams(
@@ -213,7 +213,7 @@ def test_abort_before_a_chunk_is_saved_frees_everything(llm, hf_model) -> None:
     token_ids, lengths = chunked_prompt(segments)
     params = SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True,
-        extra_args=internal_args(kvreuse_chunks=lengths),
+        extra_args=seal({CHUNKS: lengths}),
     )  # fmt: skip
     engine = llm.llm_engine
     engine.add_request("aborted", {"prompt_token_ids": token_ids}, params)
@@ -242,7 +242,7 @@ def test_a_continuation_of_a_chunked_request_inherits_its_blocks(
     token_ids, lengths = chunked_prompt(segments)
     params = SamplingParams(
         max_tokens=5, temperature=0.0, ignore_eos=True,
-        extra_args={**internal_args(kvreuse_chunks=lengths), "retain_kv": True},
+        extra_args={**seal({CHUNKS: lengths}), "retain_kv": True},
     )  # fmt: skip
     (parent,) = llm.generate([{"prompt_token_ids": token_ids}], params)
     suffix = [11, 12, 13]

@@ -10,7 +10,7 @@ from vllm.exceptions import VLLMValidationError
 
 from tests.integration.conftest import make_llm, num_free_blocks, scheduler_of
 from vllm_kvreuse.continuation.registry import ParentNotFound, registry_of
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import PARENT, seal
 
 PROMPT = list(range(500, 600))  # 100 tokens
 SUFFIX = [7, 8, 9, 10, 11]
@@ -67,7 +67,7 @@ def test_children_with_different_suffixes_each_match(llm: LLM) -> None:
     base = PROMPT + list(parent.outputs[0].token_ids)
     suffixes = [[21, 22], [31, 32, 33], [41]]
     prompts = [{"prompt_token_ids": base + s} for s in suffixes]
-    params = greedy(8, **internal_args(kvreuse_parent=_engine_id(llm, parent)))
+    params = greedy(8, **seal({PARENT: _engine_id(llm, parent)}))
     children = llm.generate(prompts, params)  # one batch
     for suffix, out in zip(suffixes, children, strict=True):
         assert out.num_cached_tokens == len(base) - 1

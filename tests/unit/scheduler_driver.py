@@ -352,7 +352,7 @@ class Driver:
         internal = list(scheduler.kvreuse.internal.owners)
         assert not internal, f"internal requests never retired: {internal}"
         beam = scheduler.feature("beam")
-        assert not beam._groups and not beam.members.group_of, "beam groups left"
+        assert beam.groups.is_empty(), "beam groups left"
 
 
 def _queues(scheduler: Scheduler) -> dict[str, Any]:

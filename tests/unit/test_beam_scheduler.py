@@ -96,7 +96,7 @@ def test_abort_of_the_root_frees_the_group(make_scheduler) -> None:
         output = scheduler.schedule()
         scheduler.update_from_output(output, model_output(scheduler, output))
     scheduler.finish_requests("root", RequestStatus.FINISHED_ABORTED)
-    assert not scheduler.feature("beam")._groups and not scheduler.kvreuse.ledger
+    assert scheduler.feature("beam").groups.is_empty() and not scheduler.kvreuse.ledger
     run(scheduler)
     assert num_free_blocks(scheduler) == free_at_start
 

@@ -1,6 +1,6 @@
 """The beam step next to the logits selects what the host's rule selects.
 
-The device step (:mod:`vllm_kvreuse.beam.select`, both selections) against
+The device step (:mod:`vllm_kvreuse.beam.worker.select`, both selections) against
 a brute force over whole rows, and against ``policy.expand`` /
 ``catalog_step`` fed the rows vLLM's sampler returns; random cases with
 ties everywhere (few distinct logits, equal cumulative scores), EOS ending
@@ -15,11 +15,11 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.catalog_policy import catalog_step
-from vllm_kvreuse.beam.live import carriers as host_carriers
+from vllm_kvreuse.beam.catalog.policy import catalog_step
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
-from vllm_kvreuse.beam.select import (
+from vllm_kvreuse.beam.scheduler.live import carriers as host_carriers
+from vllm_kvreuse.beam.worker.select import (
     Rule,
     Selection,
     carriers,

@@ -258,7 +258,7 @@ def test_settings_reach_a_spawned_api_server_process(tmp_path) -> None:
     }
     assert seen["connector"] == "KVReuseChunkConnector"
     assert seen["processors"] == [
-        "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessor"
+        "vllm_kvreuse.beam.catalog.processor:CatalogLogitsProcessor"
     ]
 
 

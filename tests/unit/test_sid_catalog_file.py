@@ -9,9 +9,9 @@ import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from vllm_kvreuse.beam import catalog_file
-from vllm_kvreuse.beam.catalog_file import load_catalog, parse_catalog
-from vllm_kvreuse.beam.catalog_setup import PROCESSOR
+from vllm_kvreuse.beam.catalog import file as catalog_file
+from vllm_kvreuse.beam.catalog.file import load_catalog, parse_catalog
+from vllm_kvreuse.beam.catalog.load import PROCESSOR
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY, KVReuseConfig
 from vllm_kvreuse.core.options import parse_file
 

@@ -1,7 +1,7 @@
 """Engine beam search's engine arguments: the SID catalog's logits processor.
 
 Called through the beam spec (:mod:`vllm_kvreuse.beam.spec`) by the generic
-wrappers in :mod:`vllm_kvreuse.engine_args`. ``catalog_setup`` is imported
+wrappers in :mod:`vllm_kvreuse.engine_args`. ``catalog.load`` is imported
 only when called: loading the plugin must not import torch-heavy modules.
 """
 
@@ -14,7 +14,7 @@ from vllm_kvreuse.config import KVReuseConfig
 
 def attach_catalog_processor(engine_args: Any) -> None:
     """``--sid-catalog``: the catalog's logits processor."""
-    from vllm_kvreuse.beam.catalog_setup import attach_catalog_processor as attach
+    from vllm_kvreuse.beam.catalog.load import attach_catalog_processor as attach
 
     attach(engine_args)
 
@@ -31,6 +31,6 @@ def finalize_vllm_config(vllm_config: Any) -> None:
         )
     if not config.sid_catalog:
         return
-    from vllm_kvreuse.beam.catalog_setup import select_catalog_processor
+    from vllm_kvreuse.beam.catalog.load import select_catalog_processor
 
     select_catalog_processor(vllm_config)

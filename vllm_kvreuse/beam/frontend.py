@@ -2,7 +2,7 @@
 
 Replaces vLLM's front-end beam-search loop (one engine request per beam per
 step, re-sent from the API server) by a single root request; the engine runs
-the steps (:mod:`vllm_kvreuse.beam.feature`) and returns the best beams in
+the steps (:mod:`vllm_kvreuse.beam.scheduler.feature`) and returns the best beams in
 the root's final output, which is turned into the same ``RequestOutput``
 the front-end loop yields. Off by default; with the flag off the original
 loop runs unchanged.
@@ -21,16 +21,16 @@ from vllm.entrypoints.generate.beam_search.utils import (
 )
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
+from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
-from vllm_kvreuse.beam.catalog_setup import engine_catalog
+from vllm_kvreuse.beam.catalog.load import engine_catalog
 from vllm_kvreuse.beam.metrics import count_beam_group
-from vllm_kvreuse.beam.policy import CONFIG_KEY, BeamConfig
+from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
 from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.core.request_keys import PARENT
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import BEAM, PARENT, seal
 
 
 def check_fits(prompt_len: int, params: BeamSearchParams, vllm_config: Any) -> None:
@@ -150,7 +150,7 @@ def root_sampling_params(
     ``keep_eos``: a beam ended by EOS keeps the EOS token (offline
     ``LLM.beam_search`` does; the OpenAI server follows
     ``include_stop_str_in_output``). The root asks for no log-probs: its
-    step runs next to the logits (:mod:`vllm_kvreuse.beam.worker`). Catalog
+    step runs next to the logits (:mod:`vllm_kvreuse.beam.worker.job`). Catalog
     beams are scored at temperature 0: their log-probs are the model's,
     whatever the sampler.
     """
@@ -164,7 +164,7 @@ def root_sampling_params(
         include_stop_str_in_output=keep_eos or params.include_stop_str_in_output,
         sid_catalog=catalog,
     )
-    internal = {CONFIG_KEY: config.to_dict()}
+    internal: dict[str, Any] = {BEAM: config.to_dict()}
     if (parent := getattr(params, PARENT_ATTR, None)) is not None:
         internal[PARENT] = parent
     return SamplingParams(
@@ -172,7 +172,7 @@ def root_sampling_params(
         temperature=0.0 if catalog else params.temperature,
         watermarking=False,
         detokenize=False,
-        extra_args=internal_args(**internal),
+        extra_args=seal(internal),
     )
 
 
@@ -313,6 +313,14 @@ def _tokens_prompt(engine_input: Any) -> TokensPrompt:
     return prompt
 
 
+def engine_inputs(llm: Any, prompts: list[Any]) -> list[Any]:
+    """``prompts`` rendered as vLLM's own ``LLM.beam_search`` renders them:
+    its renderer's completion path, with default tokenisation."""
+    model_config = llm.model_config
+    parsed = [parse_model_prompt(model_config, prompt) for prompt in prompts]
+    return llm.renderer.render_cmpl(parsed)
+
+
 def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
     def beam_search(
         self: Any,
@@ -323,7 +331,7 @@ def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         vllm_config = self.llm_engine.vllm_config
-        inputs = self._preprocess_cmpl(prompts)
+        inputs = engine_inputs(self, prompts)
         if not KVReuseConfig.from_vllm_config(vllm_config).engine_beam_search or any(
             engine_input["type"] != "token" for engine_input in inputs
         ):

@@ -1,6 +1,6 @@
 """What the scheduler tells the workers about a step's beam groups, and back.
 
-A beam group's step runs next to the logits (:mod:`.worker`), so each
+A beam group's step runs next to the logits (:mod:`.worker.job`), so each
 scheduler output names the groups whose rows it schedules (a
 :class:`GroupStep` each, in ``SchedulerOutput.kvreuse_beam_steps``), and the
 model runner's output returns each group's chosen beams (a packed
@@ -49,7 +49,7 @@ class GroupStep:
     group's, in the group's fixed member order; a root's: itself).
     ``width``, ``eos`` (the token that ends a beam, -1: none), ``row_size``
     (how deep in its row EOS may rank to end one) and ``catalog``: the rule
-    (:mod:`.select`). ``"root"``/``"start"``: ``carriers[b]`` the member
+    (:mod:`.worker.select`). ``"root"``/``"start"``: ``carriers[b]`` the member
     carrying beam ``b``, ``cum_logprobs[b]`` its score, ``nodes[b]`` its
     trie node (catalog groups). ``"start"``/``"step"``: ``blocks[g][m]``
     member ``m``'s blocks of KV-cache group ``g`` past the prefix all

@@ -7,7 +7,7 @@ a beam, :attr:`BeamConfig.row_size`); a candidate ending in EOS completes a beam
 unless ``ignore_eos``; the other candidates compete by cumulative log-prob and
 the best ``width`` live on. Ties go to the lower beam index, then the lower
 token id (:func:`rank`: one total order, shared with the device step,
-:mod:`vllm_kvreuse.beam.select`). At the end, completed and live beams are
+:mod:`vllm_kvreuse.beam.worker.select`). At the end, completed and live beams are
 ranked by vLLM's own length-penalised score (``create_sort_beams_key_function``).
 """
 
@@ -24,16 +24,7 @@ from vllm.entrypoints.generate.beam_search.utils import (
     create_sort_beams_key_function,
 )
 
-CONFIG_KEY = "kvreuse_beam"
-"""``extra_args`` key of a beam-search root request; its value is a config dict."""
-
-NODE_KEY = "kvreuse_sid_node"
-"""Internal ``extra_args`` key: the SID-catalog trie node a catalog beam's
-next token continues from (0, the root, for the group's first step)."""
-
-LEAF_EOS_KEY = "kvreuse_sid_eos"
-"""Internal ``extra_args`` key: the token allowed after a whole item (EOS),
-absent when a beam at a leaf may not take one (no EOS, ``ignore_eos``)."""
+from vllm_kvreuse.core.request_keys import BEAM
 
 
 def parse_token_id(value: Any) -> int:
@@ -54,15 +45,19 @@ class BeamConfig:
 
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None) -> BeamConfig | None:
-        raw = (extra_args or {}).get(CONFIG_KEY)
-        return cls.parse(raw) if raw else None
+        """A root request's config as the frontend wrote it; None for any
+        other request. Not checked again: :meth:`parse` checked it when the
+        request passed validation (``vllm_kvreuse.request_args``), the one
+        parse it gets; the group carries the result from then on."""
+        raw = (extra_args or {}).get(BEAM)
+        return cls(**raw) if raw else None
 
     @classmethod
     def parse(cls, raw: Any) -> BeamConfig:
         """A config from its dict form, every field checked (``ValueError``)."""
         names = {f.name for f in fields(cls)}
         if not isinstance(raw, dict) or not names >= set(raw) >= _REQUIRED:
-            raise ValueError(f"{CONFIG_KEY} must be a dict with keys {sorted(names)}")
+            raise ValueError(f"{BEAM} must be a dict with keys {sorted(names)}")
         config = cls(**raw)
         if not _is_int(config.width) or not 1 <= config.width <= MAX_WIDTH:
             raise ValueError(f"beam width must be an integer in [1, {MAX_WIDTH}]")
@@ -197,7 +192,7 @@ def expand(
     A candidate has a finite log-prob; EOS (unless ignored) completes a
     beam; the best ``width`` other candidates by score live on, ties to the
     lower beam index, then the lower token id (:func:`rank`). The device
-    step (:mod:`vllm_kvreuse.beam.select`) selects with the same order.
+    step (:mod:`vllm_kvreuse.beam.worker.select`) selects with the same order.
     """
     step = Step()
     arrays = [row if isinstance(row, Row) else Row.of(row) for row in rows]
@@ -278,7 +273,7 @@ def step_from_result(
     beams: Sequence[Beam],
     config: BeamConfig,
 ) -> Step:
-    """The :class:`Step` a device step chose (:mod:`vllm_kvreuse.beam.select`):
+    """The :class:`Step` a device step chose (:mod:`vllm_kvreuse.beam.worker.select`):
     next beams best first, each naming its parent beam's request; completed
     beams as the host lists them (catalog items complete as they are first,
     then EOS endings, each in beam order)."""

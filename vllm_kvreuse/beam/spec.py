@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from vllm_kvreuse.beam.policy import (
-    CONFIG_KEY,
-    LEAF_EOS_KEY,
-    NODE_KEY,
-    BeamConfig,
-    parse_token_id,
-)
+from vllm_kvreuse.beam.policy import BeamConfig, parse_token_id
 from vllm_kvreuse.core.options import Option, parse_bool, parse_file
+from vllm_kvreuse.core.request_keys import BEAM, SID_EOS, SID_NODE
 from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
 
 SPEC = FeatureSpec(
@@ -27,7 +22,7 @@ SPEC = FeatureSpec(
         ),
         Option(
             "sid_catalog",
-            parse_file,  # parsed where the engine starts (catalog_file.load_catalog)
+            parse_file,  # parsed where the engine starts (catalog.file.load_catalog)
             "",
             "SID catalog file (format: docs/sid_catalog.md), built at start-up "
             "into a trie that beam-search requests asking for it are constrained "
@@ -36,17 +31,17 @@ SPEC = FeatureSpec(
     ),
     keys=(
         ArgKey(
-            CONFIG_KEY,
+            BEAM,
             "beam",
             False,
             BeamConfig.parse,
             "A beam-search root request's configuration.",
         ),
         ArgKey(
-            NODE_KEY, "beam", False, parse_token_id, "A catalog beam's SID trie node."
+            SID_NODE, "beam", False, parse_token_id, "A catalog beam's SID trie node."
         ),
         ArgKey(
-            LEAF_EOS_KEY,
+            SID_EOS,
             "beam",
             False,
             parse_token_id,
@@ -54,7 +49,7 @@ SPEC = FeatureSpec(
         ),
     ),
     switch="engine_beam_search",
-    feature="vllm_kvreuse.beam.feature:EngineBeamSearch",
+    feature="vllm_kvreuse.beam.scheduler.feature:EngineBeamSearch",
     attach_engine_args="vllm_kvreuse.beam.engine_args:attach_catalog_processor",
     finalize_vllm_config="vllm_kvreuse.beam.engine_args:finalize_vllm_config",
     check_body="vllm_kvreuse.beam.body:check_body",

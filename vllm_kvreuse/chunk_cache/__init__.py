@@ -27,6 +27,9 @@ The KV connector (scheduler and workers), and the workers:
 
 - ``connector.py``: the thin KV-connector facade vLLM calls;
 - ``worker_side.py``: stored chunk tensors, loads and saves;
-- ``rope.py``: the model's RoPE, checked for exact re-rotation;
-- ``cpu_cores.py``: CPU workers bind OpenMP threads as without a connector.
+- ``rope.py``: the model's RoPE, checked for exact re-rotation.
+
+CPU workers bind their OpenMP threads as without a connector
+(:mod:`vllm_kvreuse.device.cpu_cores`: platform code, for every connector
+of the plugin).
 """

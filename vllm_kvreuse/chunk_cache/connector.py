@@ -16,6 +16,10 @@ in O(1) (vLLM requires one each step) and the worker binds only non-empty
 metadata, so a step that loads and saves nothing makes no per-layer call and
 no worker-side chunk call (docs/chunk_cache.md, "Cost when unused").
 
+Threads: none of its own (loads and saves run on the worker's thread), which
+:mod:`vllm_kvreuse.device.cpu_cores` relies on for every connector of the
+plugin.
+
 Block ownership: the connector never owns KV blocks. It writes into blocks
 vLLM allocated to the loading request and reads a request's blocks in the
 step that computed a chunk of it; stored chunks live outside the KV pool.
@@ -62,6 +66,7 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.scheduler_side: ChunkScheduler | None = None
         self.worker_side: ChunkWorker | None = None
+        self._chunk_work: ChunkMeta | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = ChunkScheduler(
                 vllm_config, kv_cache_config, block_size
@@ -141,12 +146,18 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
         """
         if connector_metadata:
             super().bind_connector_metadata(connector_metadata)
+            self._chunk_work = connector_metadata  # type: ignore[assignment]
         else:
             self.clear_connector_metadata()
 
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._chunk_work = None
+
     def _bound(self) -> ChunkMeta | None:
-        """This step's chunk work; None in a step without any."""
-        return self._connector_metadata  # type: ignore[return-value]
+        """This step's chunk work; None in a step without any (what vLLM's
+        base class binds, kept here too: it reads its own copy privately)."""
+        return self._chunk_work
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if (meta := self._bound()) is not None:

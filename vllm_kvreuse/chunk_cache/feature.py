@@ -76,7 +76,7 @@ class ChunkCache(Feature):
         stored now, and what it loaded may be gone."""
         plan = self.side.release(request.request_id)
         if plan is not None:
-            self._rehash(request, plan.user_salt)
+            self.core.upstream.rehash(request, plan.user_salt)
             self._plan(request)
 
     def on_finish(self, request: Request) -> None:
@@ -157,15 +157,9 @@ class ChunkCache(Feature):
         if plan is None:
             return
         if plan.block_salt != request.cache_salt:
-            self._rehash(request, plan.block_salt)
+            self.core.upstream.rehash(request, plan.block_salt)
         if plan.spans and plan.loaded_keys:
             self._uncounted.add(request.request_id)
-
-    @staticmethod
-    def _rehash(request: Request, cache_salt: str | None) -> None:
-        request.cache_salt = cache_salt
-        request.block_hashes = []
-        request.update_block_hashes()
 
 
 def _recompute_of(request: Request) -> Recompute | None:

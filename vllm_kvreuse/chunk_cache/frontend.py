@@ -26,7 +26,7 @@ from vllm.inputs import tokens_input
 
 from vllm_kvreuse.chunk_cache.params import BODY_FIELD, validate_lengths
 from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
 
 def split_text(text: str, separator: str, tokenizer: Any) -> list[list[int]]:
@@ -102,7 +102,7 @@ def chunked_request(
         llm.generate(prompt, SamplingParams(max_tokens=32, extra_args=extra_args))
     """
     token_ids, lengths = chunked_prompt(segments)
-    return {"prompt_token_ids": token_ids}, internal_args(kvreuse_chunks=lengths)
+    return {"prompt_token_ids": token_ids}, seal({CHUNKS: lengths})
 
 
 def segments_of(request: Any, separator: str, tokenizer: Any) -> list[list[int]] | None:
@@ -151,8 +151,6 @@ async def render_chunked(serving: Any, request: Any) -> list[Any] | Any | None:
         return serving.create_error_response(str(e), param=BODY_FIELD)
     request.vllm_xargs = {
         **(request.vllm_xargs or {}),
-        **internal_args(kvreuse_chunks=lengths),
+        **seal({CHUNKS: lengths}),
     }
-    return await serving._check_model(request) or [
-        tokens_input(token_ids, cache_salt=request.cache_salt)
-    ]
+    return [tokens_input(token_ids, cache_salt=request.cache_salt)]

@@ -50,6 +50,7 @@ from vllm_kvreuse.chunk_cache.recompute import Recompute, Span, choose_spans, cl
 from vllm_kvreuse.chunk_cache.stats import COUNTERS
 from vllm_kvreuse.chunk_cache.store import ChunkStore
 from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.core.upstream import Upstream, block_ids
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -218,7 +219,7 @@ class ChunkScheduler:
         if stop == start or not start:
             return False  # not in a load region, or not admitted yet
         self._loads[request.request_id] = (start, stop)
-        request.num_computed_tokens = stop
+        Upstream.move_computed(request, stop)
         return True
 
     # -- vLLM's connector calls ------------------------------------------------
@@ -310,4 +311,4 @@ class ChunkScheduler:
 
     def _block_ids(self, request_id: str) -> list[int]:
         assert self._kv_cache_manager is not None
-        return list(self._kv_cache_manager.get_block_ids(request_id)[0])
+        return list(block_ids(self._kv_cache_manager, request_id)[0])

@@ -103,7 +103,9 @@ SPEC = FeatureSpec(
             "chunk_cache",
             False,
             parse_lengths,
-            "Token lengths of a chunked prompt's chunks.",
+            "Token lengths of a chunked prompt's chunks (a continuation child "
+            "keeps its parent's, so it is hashed as its parent was).",
+            inherited=True,
         ),
     ),
     switch="enable_chunk_cache",

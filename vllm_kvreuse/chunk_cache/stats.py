@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from prometheus_client import Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -58,31 +59,34 @@ class ChunkCacheStats(KVConnectorStats):
 
 
 class ChunkCachePromMetrics(KVConnectorPromMetrics):
-    """``vllm_kvreuse:chunk_cache_*`` counters and gauges, per engine."""
+    """``vllm_kvreuse:chunk_cache_*`` counters and gauges, per engine.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    Built by ``build_prom_metrics`` with the metric classes and labels vLLM
+    hands every connector's metrics (its multiprocess-safe ones where it
+    runs several API servers)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter, gauge = metric_types[Counter], metric_types[Gauge]
         self.counters = {
-            name: self._per_engine(self._counter_cls, name, doc)
+            name: self._per_engine(counter(**_series(name, doc, labelnames)))
             for name, doc in COUNTERS.items()
         }
         self.gauges = {
             name: self._per_engine(
-                self._gauge_cls, name, doc, multiprocess_mode="mostrecent"
+                gauge(**_series(name, doc, labelnames), multiprocess_mode="mostrecent")
             )
             for name, doc in GAUGES.items()
         }
 
-    def _per_engine(
-        self, metric_cls: Any, name: str, doc: str, **kwargs: Any
-    ) -> dict[int, Any]:
-        """``vllm_kvreuse:chunk_cache_<name>``, one series per engine."""
-        metric = metric_cls(
-            name=f"{PREFIX}chunk_cache_{name}",
-            documentation=doc,
-            labelnames=self._labelnames,
-            **kwargs,
-        )
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        """One series of ``metric`` per engine."""
         return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -91,3 +95,12 @@ class ChunkCachePromMetrics(KVConnectorPromMetrics):
                 self.counters[name][engine_idx].inc(value)
             elif name in self.gauges:
                 self.gauges[name][engine_idx].set(value)
+
+
+def _series(name: str, doc: str, labelnames: list[str]) -> dict[str, Any]:
+    """``vllm_kvreuse:chunk_cache_<name>``'s name, help and labels."""
+    return {
+        "name": f"{PREFIX}chunk_cache_{name}",
+        "documentation": doc,
+        "labelnames": labelnames,
+    }

@@ -27,6 +27,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.continuation import params
 from vllm_kvreuse.continuation.records import FinishedRecords
 from vllm_kvreuse.core.feature import Feature
+from vllm_kvreuse.core.spec import inherited_keys
 from vllm_kvreuse.core.upstream import api_process_count
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Continuation(Feature):
         # keep what they need here, where every API server can ask for it.
         parallel = core.scheduler.vllm_config.parallel_config
         self.records = (
-            FinishedRecords(self.default_ttl)
+            FinishedRecords(self.default_ttl, inherited_keys(config.features))
             if api_process_count(parallel) > 1
             else None
         )

@@ -15,7 +15,7 @@ Errors: unknown, expired, aborted or other-tenant parents are 404
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -36,8 +36,9 @@ from vllm_kvreuse.continuation.registry import (
     registry_of,
     track,
 )
-from vllm_kvreuse.core.request_keys import CHUNKS, PARENT
-from vllm_kvreuse.request_args import internal_args
+from vllm_kvreuse.core.request_keys import PARENT, carried, seal
+from vllm_kvreuse.core.spec import inherited_keys
+from vllm_kvreuse.core.upstream import lora_request_of
 
 CHOICE = "continuation_choice"
 SUFFIX = "continuation_suffix"
@@ -64,6 +65,7 @@ def wrap_engine_client_init(original: Callable[..., Any]) -> Callable[..., Any]:
         registry = ParentRegistry(
             release_expired=(lambda: release(RELEASE_EXPIRED)) if release else None,
             default_ttl=config.retain_kv_ttl,
+            inherited_keys=inherited_keys(config.features),
         )
         self.output_processor.kvreuse_parents = registry
         # The DP load balancer records ranks in it and routes children by it.
@@ -98,7 +100,7 @@ def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
             retain_kv=params.wants_retention(extra),
             ttl=params.own_ttl(extra),
             is_continuation=PARENT in extra,
-            chunk_lengths=extra.get(CHUNKS),
+            inherited=carried(extra, registry.inherited_keys),
         )
         track(registry, state, record)
 
@@ -131,25 +133,22 @@ class Child:
 
     prompt_token_ids: list[int]
     parent_engine_request_id: str
-    chunk_lengths: list[int] | None = None
+    inherited: dict[str, Any] = field(default_factory=dict)
+    """The parent's keys a child carries, as the owners' specs mark them."""
 
     @property
     def extra_args(self) -> dict[str, Any]:
-        """Names the parent; a chunked parent's child keeps its chunks, so it
-        is hashed like the parent and inherits the parent's blocks."""
-        if self.chunk_lengths:
-            return internal_args(
-                kvreuse_parent=self.parent_engine_request_id,
-                kvreuse_chunks=self.chunk_lengths,
-            )
-        return internal_args(kvreuse_parent=self.parent_engine_request_id)
+        """Names the parent, and carries what its owners marked inherited
+        (a chunked parent's chunks, so the child is hashed like the parent
+        and inherits its blocks)."""
+        return seal({PARENT: self.parent_engine_request_id, **self.inherited})
 
 
 def build_child(record: ParentRecord, suffix_token_ids: Sequence[int]) -> Child:
     return Child(
         record.token_ids + list(suffix_token_ids),
         record.engine_request_id,
-        record.chunk_lengths,
+        record.inherited,
     )
 
 
@@ -234,7 +233,7 @@ async def resolve_http(
             config.continuation_wait_timeout,
         )  # fmt: skip
     await registry.wait(record, config.continuation_wait_timeout)
-    lora = serving._maybe_get_adapters(request)
+    lora = lora_request_of(serving, request)
     if (lora.lora_name if lora else None) != record.lora_name:
         raise VLLMValidationError(
             "the continuation must use the same LoRA adapter (model) as its "
@@ -270,9 +269,7 @@ async def render_continuation(
         inputs = await resolve_http(serving, request, prompt_given)
     except (BadContinuation, ParentNotFound, VLLMValidationError) as e:
         return error_response(serving, e)
-    if inputs is None:
-        return None
-    return await serving._check_model(request) or inputs
+    return inputs
 
 
 async def render_completion(serving: Any, request: Any) -> list[Any] | Any | None:

@@ -31,14 +31,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from vllm import envs
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.continuation import params
 from vllm_kvreuse.continuation.registry import MAX_RECORDS
-from vllm_kvreuse.core.request_keys import CHUNKS
+from vllm_kvreuse.core.request_keys import carried
 
 RUNNING = "running"
 _RECORDED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -64,7 +64,8 @@ class ParentAnswer(TypedDict):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     lora_name: str | None
-    chunk_lengths: list[int] | None
+    inherited: dict[str, Any]
+    """The request keys a child carries (:attr:`ArgKey.inherited`)."""
 
 
 @dataclass(slots=True)
@@ -78,8 +79,14 @@ class FinishedRecord:
 class FinishedRecords:
     """Running and recently finished client requests of one engine core."""
 
-    def __init__(self, default_ttl: float, max_records: int = MAX_RECORDS) -> None:
+    def __init__(
+        self,
+        default_ttl: float,
+        inherited_keys: frozenset[str] = frozenset(),
+        max_records: int = MAX_RECORDS,
+    ) -> None:
         self.default_ttl = default_ttl
+        self.inherited_keys = inherited_keys
         self.max_records = max_records
         self._running: dict[str, tuple[str, str | None]] = {}
         self._finished: OrderedDict[str, FinishedRecord] = OrderedDict()
@@ -108,7 +115,7 @@ class FinishedRecords:
             prompt_token_ids=list(request.prompt_token_ids or []),
             output_token_ids=list(request.output_token_ids),
             lora_name=lora.lora_name if lora is not None else None,
-            chunk_lengths=extra.get(CHUNKS),
+            inherited=carried(extra, self.inherited_keys),
         )
         self._finished[key] = FinishedRecord(answer, running[1], time.monotonic() + ttl)
         while len(self._finished) > self.max_records:

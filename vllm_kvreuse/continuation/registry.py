@@ -55,8 +55,10 @@ class ParentRecord:
     ttl: float | None
     """The request's own retain_kv_ttl; None means the server default."""
     is_continuation: bool = False
-    chunk_lengths: list[int] | None = None
-    """A chunked parent's chunk lengths: its children are chunked the same way."""
+    inherited: dict[str, Any] = field(default_factory=dict)
+    """The parent's request keys a child carries (those the specs mark
+    ``inherited``: a chunked parent's chunk lengths, so its children are
+    chunked the same way)."""
     output_token_ids: list[int] | None = None
     dp_rank: int | None = None
     """The DP rank (engine index) the request ran on; None without DP."""
@@ -86,7 +88,8 @@ class ParentRegistry:
     """Records by (external request id, choice index), oldest first.
 
     ``release_expired`` wakes the engine core to release expired retentions
-    (None offline: the engine releases them at its next step).
+    (None offline: the engine releases them at its next step);
+    ``inherited_keys``: the request keys a record keeps for its children.
     """
 
     def __init__(
@@ -94,7 +97,9 @@ class ParentRegistry:
         release_expired: Callable[[], Awaitable[Any]] | None,
         default_ttl: float,
         max_records: int = MAX_RECORDS,
+        inherited_keys: frozenset[str] = frozenset(),
     ) -> None:
+        self.inherited_keys = inherited_keys
         self.max_records = max_records
         self._records: OrderedDict[tuple[str, int], ParentRecord] = OrderedDict()
         self._by_engine_id: dict[str, ParentRecord] = {}

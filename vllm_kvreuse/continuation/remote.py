@@ -103,7 +103,7 @@ def _adopt(
         lora_name=answer["lora_name"],
         retain_kv=False,  # its own process wakes the engine at expiry
         ttl=None,
-        chunk_lengths=answer["chunk_lengths"],
+        inherited=dict(answer["inherited"]),
         dp_rank=rank,
     )
     registry.started(record)

@@ -14,6 +14,6 @@
 - :mod:`.resend`: running requests sent whole to the workers again.
 - :mod:`.upstream`: the one seam to vLLM's internal scheduler, KV-manager
   and request state (each attribute registered per vLLM release).
-- :mod:`.request_keys`: the ``extra_args`` keys read across packages.
+- :mod:`.request_keys`: every internal ``extra_args`` key, and its seal.
 - :mod:`.accounting`: the block-accounting invariant, checked by tests.
 """

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from vllm_kvreuse.core.upstream import referenced_blocks
+from vllm_kvreuse.core.upstream import Upstream, referenced_blocks
 
 
 def expected_references(scheduler: Any) -> Counter[int]:
@@ -35,18 +35,19 @@ def expected_references(scheduler: Any) -> Counter[int]:
 
 def check_block_accounting(scheduler: Any) -> None:
     """Raises ``AssertionError`` naming every block whose count is not owned."""
-    pool = scheduler.kv_cache_manager.block_pool
+    upstream = Upstream(scheduler)
+    blocks = upstream.pool_blocks()
     refs = expected_references(scheduler)
     wrong = [
         f"block {b.block_id}: ref_cnt {b.ref_cnt}, owned {refs.get(b.block_id, 0)}"
-        for b in pool.blocks
+        for b in blocks
         if not b.is_null and b.ref_cnt != refs.get(b.block_id, 0)
     ]
     assert not wrong, "unowned or over-freed KV block references:\n" + "\n".join(
         wrong[:20]
     )
-    num_free = sum(1 for b in pool.blocks if not b.is_null and b.ref_cnt == 0)
-    assert pool.get_num_free_blocks() == num_free, (
-        f"free queue has {pool.get_num_free_blocks()} blocks, "
-        f"{num_free} have no reference"
+    num_free = sum(1 for b in blocks if not b.is_null and b.ref_cnt == 0)
+    in_queue = upstream.num_free_blocks()
+    assert in_queue == num_free, (
+        f"free queue has {in_queue} blocks, {num_free} have no reference"
     )

@@ -226,8 +226,8 @@ class KVReuseLayer(Scheduler):
 
     def _under_pressure(self, output: SchedulerOutput) -> bool:
         """The step preempted, or admitted nothing while requests wait."""
-        stalled = not output.num_scheduled_tokens and (
-            bool(self.waiting) or bool(self.kv_holding_waiting)
+        stalled = not output.num_scheduled_tokens and bool(
+            self.kvreuse.upstream.num_waiting()
         )
         return bool(output.preempted_req_ids) or stalled
 
@@ -243,7 +243,7 @@ class KVReuseLayer(Scheduler):
             summary[feature.name] = feature.waiting_summary()
         logger.info(
             "vllm-kvreuse: nothing scheduled with %d waiting; waiting for: %s",
-            len(self.waiting) + len(self.kv_holding_waiting),
+            self.kvreuse.upstream.num_waiting(),
             summary,
         )
 

@@ -44,6 +44,8 @@ class ArgKey:
     """One ``extra_args`` key: who reads it, who may set it, how it is checked.
 
     ``owner`` is the spec name of the feature that reads it, or ``core``.
+    An internal key (not ``public``) is defined in
+    :mod:`vllm_kvreuse.core.request_keys`, which seals what the plugin writes.
     """
 
     name: str
@@ -51,6 +53,9 @@ class ArgKey:
     public: bool
     parse: Callable[[Any], Any]
     doc: str
+    inherited: bool = False
+    """A child request (a continuation) carries its parent's value: the
+    parent's owner decides, the child's builder copies what is marked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +100,9 @@ class FeatureSpec:
     ``BeamSearchParams`` vLLM built from it; returns them, marked."""
     render_completion: str = ""
     """``"module:coroutine"`` given the serving object and a completion
-    request: its engine inputs, an error object, or None (not this
-    feature's request)."""
+    request: its engine inputs (a list; the wrapper then runs vLLM's model
+    check, as the unpatched renderer does), an error object, or None (not
+    this feature's request)."""
     render_chat: str = ""
     """The same as ``render_completion``, for a chat request."""
     render_order: int = 0
@@ -135,3 +141,8 @@ def hooks(specs: Iterable[FeatureSpec], field: str) -> list[Callable[..., Any]]:
     """Each spec's ``field`` hook (a ``"module:function"`` path), imported,
     in ``specs`` order; specs that leave it empty are passed over."""
     return [load_hook(path) for spec in specs if (path := getattr(spec, field))]
+
+
+def inherited_keys(specs: Iterable[FeatureSpec]) -> frozenset[str]:
+    """The request keys of ``specs`` that a child carries from its parent."""
+    return frozenset(key.name for spec in specs for key in spec.keys if key.inherited)

@@ -1,19 +1,24 @@
-"""The one seam between the plugin's services and vLLM's internal state.
+"""The one seam between the plugin and vLLM's internal state.
 
 Every read and write of upstream scheduler, KV-cache-manager, request and
-scheduler-output state that beams and continuations need, beyond what a
+scheduler-output state that the features and services need, beyond what a
 public upstream method does for them, is made here: the block tables and
 their copy-on-write queue, the running and waiting queues and the seat
-limits, a request's private token lists, the step output's parallel lists.
-The services (:mod:`.resend`, :mod:`.ledger`) and the features call these
-methods; they decide, this module applies.
+limits, a request's private token lists and its block hashes, the step
+output's parallel lists; and, outside the scheduler, the one private
+serving method a renderer needs (a request's LoRA adapter) and the KV
+packing vLLM's CPU attention chose (the device layer reads its caches in
+it). The services (:mod:`.resend`,
+:mod:`.ledger`) and the features call these methods; they decide, this
+module applies.
 
 Each upstream attribute touched here is registered per vLLM release in
 :data:`vllm_kvreuse.patches.upstream_state.UPSTREAM_STATE` (owner class,
 why, and the method's signature or the attribute's presence);
 ``tests/unit/test_upstream_state.py`` checks every entry on real upstream
-objects and that no other module of ``core/``, ``beam/`` or
-``continuation/`` reaches into them.
+objects, ``tests/unit/test_private_access.py`` that no other module
+reaches into them (an entry may name a registered patch's own module
+instead) and that the package touches no unregistered private attribute.
 
 Invariants (ownership, as upstream keeps it):
 - A block table change moves references, never counts them by hand: a
@@ -37,6 +42,7 @@ from vllm.v1.request import Request
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
 
@@ -63,6 +69,10 @@ class Upstream:
 
     def num_free_blocks(self) -> int:
         return self._pool.get_num_free_blocks()
+
+    def pool_blocks(self) -> list[Any]:
+        """Every block of the pool, the null block included (read only)."""
+        return self._pool.blocks
 
     def reference(self, blocks: Iterable[Any]) -> None:
         """Takes one reference on each block (a free one leaves the queue)."""
@@ -94,7 +104,7 @@ class Upstream:
         return self._manager.get_blocks(request_id).blocks
 
     def block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
-        return self._manager.get_block_ids(request_id)
+        return block_ids(self._manager, request_id)
 
     # -- requests ------------------------------------------------------------------
 
@@ -118,6 +128,20 @@ class Upstream:
         request.update_block_hashes()
         if sampling_params is not None:
             request.sampling_params = sampling_params
+
+    @staticmethod
+    def rehash(request: Request, cache_salt: str | None) -> None:
+        """Hashes the request's blocks anew under ``cache_salt`` (call while
+        it holds no blocks: they would keep the old hashes)."""
+        request.cache_salt = cache_salt
+        request.block_hashes = []
+        request.update_block_hashes()
+
+    @staticmethod
+    def move_computed(request: Request, num_computed: int) -> None:
+        """Sets the request's computed count (a KV connector loads the
+        tokens it skips; the request is then sent whole, :mod:`.resend`)."""
+        request.num_computed_tokens = num_computed
 
     @staticmethod
     def history(request: Request, start: int) -> list[int]:
@@ -180,6 +204,11 @@ class Upstream:
     def waiting_requests(self) -> Iterable[Request]:
         """The waiting queue, in order (read, do not change)."""
         return self._scheduler.waiting
+
+    def num_waiting(self) -> int:
+        """Requests waiting, those holding KV for a connector included."""
+        scheduler = self._scheduler
+        return len(scheduler.waiting) + len(scheduler.kv_holding_waiting)
 
     def free_seats(self) -> int:
         """Running seats a step could still fill."""
@@ -273,6 +302,26 @@ def _drop_rows(cached: Any, rows: set[int]) -> None:
 
 
 # -- without a scheduler ---------------------------------------------------------
+
+
+def block_ids(manager: KVCacheManager, request_id: str) -> tuple[list[int], ...]:
+    """The request's block ids in each KV-cache group (a connector has the
+    manager, :meth:`KVConnectorBase_V1.bind_kv_cache_manager`)."""
+    return manager.get_block_ids(request_id)
+
+
+def cpu_attn_isa(dtype: Any, block_size: int, head_size: int, kv_dtype: str) -> str:
+    """The packing vLLM's CPU attention chose for a layer's KV cache (it
+    imports CPU-only code: call on CPU)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, kv_dtype)
+
+
+def lora_request_of(serving: Any, request: Any) -> Any:
+    """The LoRA adapter an OpenAI serving object runs ``request`` with (None:
+    the base model); raises vLLM's not-found error for an unknown model."""
+    return serving._maybe_get_adapters(request)
 
 
 def never_stop(sampling: SamplingParams) -> None:

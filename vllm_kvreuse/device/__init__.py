@@ -13,6 +13,9 @@ platform. Nothing outside this folder indexes a KV cache.
 - ``npu.py``: chunk moves over vllm-ascend's KV cache (Ascend NPU);
 - ``npu_kernels.py``: the Ascend kernels, each beside its torch equivalent;
 - ``block_copy.py``: copy-on-write block copies over every KV layout.
+
+Platform code beside them: ``cpu_cores.py``, CPU workers' OpenMP binding
+with a connector of the plugin (a registered patch).
 """
 
 from __future__ import annotations

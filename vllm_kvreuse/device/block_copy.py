@@ -100,7 +100,7 @@ def copy_blocks_indexed(
 ) -> None:
     """Copies block ``src[i]`` to ``dst[i]`` (scheduler block ids, tensors on
     the caches' device) in every layer: a beam moved onto another beam's
-    member takes its parent's private KV (:mod:`vllm_kvreuse.beam.worker`).
+    member takes its parent's private KV (:mod:`vllm_kvreuse.beam.worker.job`).
 
     Every source is read before any destination is written (a gather, then a
     scatter); no host sync on an accelerator, so destinations may repeat

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from vllm.v1.kv_cache_interface import KVCacheLayout, is_quantized_kv_cache
 
+from vllm_kvreuse.core import upstream
 from vllm_kvreuse.device.base import PagedKV, UnsupportedKVLayout
 from vllm_kvreuse.device.cpu_amx import amx_views
 
@@ -195,6 +196,6 @@ def cpu_attn_views(cache: torch.Tensor, block_size: int, isa: str | None) -> Pag
 
 def cpu_attn_isa(layer: Any, cache: torch.Tensor, block_size: int) -> str:
     """The ISA vLLM's CPU attention picked for ``layer`` (its KV packing)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return _get_attn_isa(cache.dtype, block_size, layer.head_size, layer.kv_cache_dtype)
+    return upstream.cpu_attn_isa(
+        cache.dtype, block_size, layer.head_size, layer.kv_cache_dtype
+    )

@@ -12,12 +12,13 @@ would let us delete it.
   renderers, outputs;
 - ``engine.py``: the engine clients, the engine core and the workers;
 - ``runners.py``: both model runners' samplers run beam groups' steps;
-- ``upstream_state.py``: not patches: the upstream internal attributes the
-  plugin's one seam (:mod:`vllm_kvreuse.core.upstream`) reads or changes,
-  each checked per release on real objects
-  (``tests/unit/test_upstream_state.py``);
+- ``upstream_state.py``: not patches: the private (or seam-owned) upstream
+  attributes the plugin reads or changes, each through its one seam
+  (:mod:`vllm_kvreuse.core.upstream`, or a registered patch's own module),
+  checked per release on real objects (``tests/unit/test_upstream_state.py``)
+  and against the package's code (``tests/unit/test_private_access.py``);
 - ``runner_state.py``: not patches either: the model-runner attributes the
-  beam step reads (:mod:`vllm_kvreuse.beam.runner_hooks`), checked on live
+  beam step reads (:mod:`vllm_kvreuse.beam.worker.runner_hooks`), checked on live
   workers of each runner (``tests/integration/test_runner_tier.py``).
 
 Rules:

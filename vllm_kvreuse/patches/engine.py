@@ -131,7 +131,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         target="vllm.utils.ompmultiprocessing:OMPProcessManager.__init__",
-        wrapper="vllm_kvreuse.chunk_cache.cpu_cores:wrap_omp_manager_init",
+        wrapper="vllm_kvreuse.device.cpu_cores:wrap_omp_manager_init",
         kind="function",
         signatures={V0_32_0: "(self, config: 'VllmConfig')"},
         why="On CPU, vLLM keeps one more core per worker free of OpenMP "
@@ -140,7 +140,8 @@ PATCHES: tuple[Patch, ...] = (
         "worker the reservation cannot be met, vLLM then reserves no core, "
         "and the worker's threads share every core with the busy-polling "
         "engine core: every step ~4x slower with the cache on, used or not.",
-        how="When the connector is the chunk cache's alone, calls the "
+        how="When the connector is one of the plugin's (the chunk cache's), "
+        "alone, calls the "
         "original with a read-only view of the config whose "
         "kv_transfer_config is None, so cores are bound as plain vLLM binds "
         "them; any other connector, and VLLM_CPU_NUM_OF_RESERVED_CPU, as "

@@ -1,7 +1,7 @@
 """Model-runner state the beam step reads, per runner and vLLM release.
 
 Not patches: nothing here is replaced. The runners' sampler patches
-(:mod:`vllm_kvreuse.beam.runner_hooks`, the only module that reads these)
+(:mod:`vllm_kvreuse.beam.worker.runner_hooks`, the only module that reads these)
 need the step's scheduler output, the logits rows' request ids, the
 sampler, the KV caches and the output they put results on. Each entry
 names its owner class, why, and per supported release the method's
@@ -32,12 +32,16 @@ _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu"
 
 
+HOOKS = "vllm_kvreuse.beam.worker.runner_hooks"
+"""The one module that reads runner state: the runners' sampler patches."""
+
+
 def _v1(target: str, why: str) -> RunnerState:
-    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, "v1")
+    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, HOOKS, "v1")
 
 
 def _v2(target: str, why: str) -> RunnerState:
-    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, "v2")
+    return RunnerState(target, why, {V0_32_0: ATTRIBUTE}, HOOKS, "v2")
 
 
 RUNNER_STATE: tuple[RunnerState, ...] = (
@@ -67,4 +71,4 @@ RUNNER_STATE: tuple[RunnerState, ...] = (
     ),
     _v2(f"{_V2}.sample.output:SamplerOutput.sampled_token_ids", "as V1's"),
 )
-"""Every runner attribute :mod:`vllm_kvreuse.beam.runner_hooks` reads."""
+"""Every runner attribute :mod:`vllm_kvreuse.beam.worker.runner_hooks` reads."""

@@ -2,14 +2,14 @@
 
 Each entry names its runner (``Patch.runner``): a worker applies only the
 entries of the runner it builds. The wrappers live in
-:mod:`vllm_kvreuse.beam.runner_hooks`.
+:mod:`vllm_kvreuse.beam.worker.runner_hooks`.
 """
 
 from __future__ import annotations
 
 from vllm_kvreuse.patches.registry import V0_32_0, Patch
 
-_HOOKS = "vllm_kvreuse.beam.runner_hooks"
+_HOOKS = "vllm_kvreuse.beam.worker.runner_hooks"
 _WHY = (
     "Engine beam search ranks a group's W x V candidates: through vLLM's "
     "sampler each member's row would come back as its top W (2W with EOS) "

@@ -2,14 +2,19 @@
 
 Not patches: nothing here is replaced. :mod:`vllm_kvreuse.core.upstream`
 reads and writes these attributes of upstream objects, where no public
-method does what the beams and continuations need (queues, seat limits,
-block tables, the copy-on-write queue, a request's private token lists,
-the step output's parallel lists). Each entry names its owner class, why
-the seam touches it, and per supported release the method's signature
+method does what the features need (queues, seat limits, block tables, the
+copy-on-write queue, a request's private token lists and hashes, the step
+output's parallel lists). A few private attributes are touched by the
+module of the registered patch that needs them instead (``seam``): the
+serving renderers' model check, argparse's groups. Each entry names its
+owner class, why, the one module that touches it (``seam``), and per
+supported release the method's signature
 (:func:`~vllm_kvreuse.patches.registry.signature_of`) or :data:`ATTRIBUTE`
 (present on a real instance). ``tests/unit/test_upstream_state.py`` checks
-every entry on the objects of a real scheduler, so a renamed or removed
-attribute fails a test, not a request.
+every entry on real upstream objects, so a renamed or removed attribute
+fails a test, not a request; ``tests/unit/test_private_access.py`` that no
+module but an entry's seam touches it, and that the package touches no
+private upstream attribute without an entry.
 """
 
 from __future__ import annotations
@@ -21,24 +26,31 @@ from vllm_kvreuse.patches.registry import V0_32_0
 ATTRIBUTE = "attribute"
 """A data attribute (or property): checked present on a real instance."""
 
+SEAM = "vllm_kvreuse.core.upstream"
+"""The module that touches upstream state unless an entry names another."""
+
 
 @dataclass(frozen=True, slots=True)
 class UpstreamState:
-    """One upstream attribute the seam touches: ``target`` is
-    ``"module:Owner.attr"``; ``releases`` maps a vLLM release to the
-    method's signature, or :data:`ATTRIBUTE`."""
+    """One upstream attribute the plugin touches: ``target`` is
+    ``"module:Owner.attr"`` (``"module:function"`` for a module's own
+    function, whose owner is the module); ``releases`` maps a vLLM release to the
+    method's signature, or :data:`ATTRIBUTE`; ``seam`` is the one module
+    that touches it (:data:`SEAM`, or a registered patch's own module)."""
 
     target: str
     why: str
     releases: dict[str, str]
+    seam: str = SEAM
 
     @property
     def owner(self) -> str:
-        return self.target.rsplit(".", 1)[0]
+        module, _, path = self.target.partition(":")
+        return f"{module}:{path.rpartition('.')[0]}" if "." in path else module
 
     @property
     def name(self) -> str:
-        return self.target.rsplit(".", 1)[1]
+        return self.target.partition(":")[2].rpartition(".")[2]
 
 
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
@@ -53,12 +65,12 @@ _KV_BLOCK = "vllm.v1.core.kv_cache_utils.KVCacheBlock"
 _ITER_REQS = "(self, requests: collections.abc.Iterable[vllm.v1.request.Request])"
 
 
-def _attr(target: str, why: str) -> UpstreamState:
-    return UpstreamState(target, why, {V0_32_0: ATTRIBUTE})
+def _attr(target: str, why: str, seam: str = SEAM) -> UpstreamState:
+    return UpstreamState(target, why, {V0_32_0: ATTRIBUTE}, seam)
 
 
-def _method(target: str, why: str, signature: str) -> UpstreamState:
-    return UpstreamState(target, why, {V0_32_0: signature})
+def _method(target: str, why: str, signature: str, seam: str = SEAM) -> UpstreamState:
+    return UpstreamState(target, why, {V0_32_0: signature}, seam)
 
 
 _QUEUES = (
@@ -68,6 +80,10 @@ _QUEUES = (
         "come back at its head; preempted members leave it",
     ),
     _attr(f"{_SCHED}.waiting", "a beam step that does not fit is parked"),
+    _attr(
+        f"{_SCHED}.kv_holding_waiting",
+        "the layer's memory-pressure check counts every waiting request",
+    ),
     _attr(
         f"{_SCHED}.max_num_running_reqs",
         "a held member keeps its seat: "
@@ -123,7 +139,8 @@ _KV = (
     ),
     _method(
         f"{_KVM}.get_block_ids",
-        "a resent request's NewRequestData; a live group's private blocks",
+        "a resent request's NewRequestData; a live group's private blocks; "
+        "the blocks a chunked request's chunks load into",
         "(self, request_id: str) -> tuple[list[int], ...]",
     ),
     _method(
@@ -149,6 +166,7 @@ _KV = (
     ),
     _method(f"{_POOL}.get_num_free_blocks", "a beam step must fit", "(self) -> int"),
     _attr(f"{_POOL}.num_gpu_blocks", "the retention budget is a fraction of the pool"),
+    _attr(f"{_POOL}.blocks", "block accounting: every block's reference count"),
 )
 
 _REQUESTS = (
@@ -158,7 +176,15 @@ _REQUESTS = (
         "history; a rewound member drops its last token",
     ),
     _attr(f"{_REQ}._output_token_ids", "(as _all_token_ids)"),
-    _attr(f"{_REQ}._block_hasher", "a beam member reuses the root's hasher"),
+    _attr(
+        f"{_REQ}._block_hasher",
+        "a beam member reuses the root's hasher",
+    ),
+    _attr(
+        f"{_REQ}.cache_salt",
+        "a chunked request holding moved chunk KV is rehashed under a salt "
+        "naming its values",
+    ),
     _attr(
         f"{_REQ}.prompt_token_ids",
         "a resent request's history is its prompt, as a streaming update leaves it",
@@ -166,12 +192,14 @@ _REQUESTS = (
     _attr(f"{_REQ}.num_prompt_tokens", "(as prompt_token_ids)"),
     _attr(
         f"{_REQ}.num_computed_tokens",
-        "a rewound member computes its last position again",
+        "a rewound member computes its last position again; a segmented "
+        "chunked request skips the region the connector loads",
     ),
     _attr(f"{_REQ}.spec_token_ids", "a resent request drops speculated tokens"),
     _attr(
         f"{_REQ}.block_hashes",
-        "a beam member takes the root's prompt hashes, a resent request its own cut",
+        "a beam member takes the root's prompt hashes, a resent request its "
+        "own cut, a chunked request new ones",
     ),
     _method(
         f"{_REQ}.update_block_hashes",
@@ -216,5 +244,46 @@ _OUTPUT = (
     ),
 )
 
-UPSTREAM_STATE: tuple[UpstreamState, ...] = (*_QUEUES, *_KV, *_REQUESTS, *_OUTPUT)
-"""Every upstream attribute :mod:`vllm_kvreuse.core.upstream` touches."""
+_SERVING = "vllm.entrypoints.serve.engine.serving:BaseServing"
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+
+_FRONTEND = (
+    _method(
+        f"{_SERVING}._check_model",
+        "a request a feature renders (a continuation, a chunked prompt) passes "
+        "vLLM's model check (LoRA names, the request log) as the unpatched "
+        "renderer's does first; public OpenAIServingModels.check_model knows "
+        "no LoRA adapter",
+        "sha256:80a4095385b7c999",
+        seam="vllm_kvreuse.frontend",
+    ),
+    _method(
+        f"{_SERVING}._maybe_get_adapters",
+        "a continuation must use its parent's LoRA adapter: the one vLLM will "
+        "run it with, or vLLM's own not-found error",
+        "sha256:4ac69e8098989020",
+    ),
+    _method(
+        f"{_CPU_ATTN}:_get_attn_isa",
+        "the chunk cache reads and writes vLLM's CPU attention cache in the "
+        "packing that attention chose for it (AMX, VEC, VEC16, ...); vLLM "
+        "keeps the choice nowhere public before the first forward pass",
+        "(dtype: torch.dtype, block_size: int, head_size: int | None = None, "
+        "kv_cache_dtype: str | None = None) -> str",
+    ),
+    _attr(
+        "argparse:ArgumentParser._action_groups",
+        "the plugin's flag group is added once per parser (EngineArgs and "
+        "AsyncEngineArgs both add theirs); argparse lists groups nowhere else",
+        seam="vllm_kvreuse.engine_args",
+    ),
+)
+
+UPSTREAM_STATE: tuple[UpstreamState, ...] = (
+    *_QUEUES,
+    *_KV,
+    *_REQUESTS,
+    *_OUTPUT,
+    *_FRONTEND,
+)
+"""Every private (or seam-owned) upstream attribute the plugin touches."""

@@ -1,6 +1,6 @@
 """Reference: one beam step by brute force over whole log-prob rows.
 
-Tests only. The rule of :mod:`vllm_kvreuse.beam.select`, written the
+Tests only. The rule of :mod:`vllm_kvreuse.beam.worker.select`, written the
 slowest obvious way in numpy: every (beam, token) pair is a candidate,
 scored in float64 and sorted by (score desc, beam asc, token asc).
 """

@@ -1,8 +1,8 @@
 """Reference: one catalog-constrained beam step on full-vocabulary log-probs.
 
 Not on the serving path. The engine masks each catalog beam's logits in the
-worker (:mod:`vllm_kvreuse.beam.catalog_processor`) and steps on the sparse
-top-k rows that come back (:mod:`vllm_kvreuse.beam.catalog_policy`). This
+worker (:mod:`vllm_kvreuse.beam.catalog.processor`) and steps on the sparse
+top-k rows that come back (:mod:`vllm_kvreuse.beam.catalog.policy`). This
 module states the same rule densely, on a ``[B, vocab]`` log-prob matrix;
 tests check it against a brute-force search and check the engine against
 it, and ``benchmarks/sid_catalog_micro.py`` times it.
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
-from vllm_kvreuse.beam.catalog import SidCatalog
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Step, rank
 
 NO_TOKEN = -1

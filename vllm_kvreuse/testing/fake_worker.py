@@ -4,7 +4,7 @@ Tests only. Scheduler tests run a real scheduler without an engine; this
 module plays the model runner's part for a step: each request that
 samples draws a fixed token, and each beam group the step names
 (:mod:`vllm_kvreuse.beam.plan`) runs through the real worker code
-(:class:`~vllm_kvreuse.beam.worker.BeamJob`, its live groups kept per
+(:class:`~vllm_kvreuse.beam.worker.job.BeamJob`, its live groups kept per
 scheduler as a runner keeps them; no KV, so nothing is copied) on made-up
 logits that depend only on the request's last known token, so beams
 diverge and EOS can win.
@@ -20,7 +20,7 @@ import torch
 from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_kvreuse.beam.plan import put_results, steps_of
-from vllm_kvreuse.beam.worker import BeamJob, GroupState
+from vllm_kvreuse.beam.worker.job import BeamJob, GroupState
 
 _STATES: weakref.WeakKeyDictionary[Any, dict[str, GroupState]] = (
     weakref.WeakKeyDictionary()
@@ -84,6 +84,6 @@ def model_output(
 
 
 def _catalog(scheduler: Any) -> Any:
-    from vllm_kvreuse.beam.catalog_setup import engine_catalog
+    from vllm_kvreuse.beam.catalog.load import engine_catalog
 
     return engine_catalog(scheduler.vllm_config, "cpu")

@@ -1,14 +1,14 @@
 """A step's beam groups inside a worker's sampler, on the logits' device.
 
 The model runner hands the sampler a :class:`BeamJob` for a step whose
-scheduler output names beam groups (:mod:`.plan`); the sampler calls
+scheduler output names beam groups (:mod:`~vllm_kvreuse.beam.plan`); the sampler calls
 :meth:`BeamJob.prepare` with the raw logits before it samples (it may scale
 or mask them in place) and :meth:`BeamJob.finish` with its sampled tokens.
 
 A live group's beams are worker state (:class:`GroupState`, kept by the
 runner across steps): which member carries each beam, the scores, the trie
 nodes. Each step, :mod:`.select` picks the next beams and
-:func:`~vllm_kvreuse.beam.select.carriers` the member that carries each;
+:func:`~vllm_kvreuse.beam.worker.select.carriers` the member that carries each;
 then the worker applies the step itself: each carrier's sampled token
 becomes its beam's token (the next step's input), a member that takes
 another beam gets that beam's parent's KV (its private blocks copied,
@@ -18,7 +18,7 @@ advances. So the next step runs right, whatever the scheduler has seen
 results (:class:`~vllm_kvreuse.beam.plan.PackedResult`) leave the device,
 copied without waiting (the runner's own output copy waits for them).
 
-Runner-agnostic: the runners' patches (:mod:`vllm_kvreuse.beam.runner_hooks`)
+Runner-agnostic: the runners' patches (:mod:`vllm_kvreuse.beam.worker.runner_hooks`)
 say which logits row holds which request and how blocks are copied.
 """
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvreuse.beam.catalog import SidCatalog
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.plan import GroupStep, PackedResult
-from vllm_kvreuse.beam.select import (
+from vllm_kvreuse.beam.worker.select import (
     Rule,
     Selection,
     carriers,

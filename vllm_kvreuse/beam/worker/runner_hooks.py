@@ -1,7 +1,7 @@
 """Both model runners' samplers run the step's beam groups (registered patches).
 
-A scheduler output that names beam groups (:mod:`.plan`) gets a
-:class:`~vllm_kvreuse.beam.worker.BeamJob` handed to the runner's sampler
+A scheduler output that names beam groups (:mod:`~vllm_kvreuse.beam.plan`) gets a
+:class:`~vllm_kvreuse.beam.worker.job.BeamJob` handed to the runner's sampler
 for that step: the sampler wrappers copy the groups' raw logits rows before
 upstream samples, and overwrite the groups' sampled tokens after it; the
 runner wrappers put the job's packed results on the step's
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvreuse.beam.plan import GroupStep, put_results, steps_of
-from vllm_kvreuse.beam.worker import BeamJob, BlockCopier
+from vllm_kvreuse.beam.worker.job import BeamJob, BlockCopier
 from vllm_kvreuse.device.block_copy import copy_blocks_indexed
 
 JOB_ATTR = "kvreuse_beam_job"
@@ -48,7 +48,7 @@ STATES_ATTR = "kvreuse_beam_states"
 
 def _catalog_of(runner: Any) -> Callable[[], Any]:
     def load() -> Any:
-        from vllm_kvreuse.beam.catalog_setup import engine_catalog
+        from vllm_kvreuse.beam.catalog.load import engine_catalog
 
         return engine_catalog(runner.vllm_config, runner.device)
 

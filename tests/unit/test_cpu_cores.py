@@ -1,7 +1,7 @@
 """CPU core binding with the chunk-cache connector is plain vLLM's.
 
 vLLM's ``OMPProcessManager`` reserves one more core per worker for any KV
-connector; the registered patch (:mod:`vllm_kvreuse.chunk_cache.cpu_cores`)
+connector; the registered patch (:mod:`vllm_kvreuse.device.cpu_cores`)
 undoes that for the chunk cache's connector only.
 """
 
@@ -11,12 +11,12 @@ import pytest
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-from vllm_kvreuse.chunk_cache.cpu_cores import WithoutKVConnector, is_chunk_connector
 from vllm_kvreuse.chunk_cache.engine_args import (
     CHUNK_CONNECTOR,
     CHUNK_CONNECTOR_MODULE,
     beside_chunk_connector,
 )
+from vllm_kvreuse.device.cpu_cores import WithoutKVConnector, is_plugin_connector
 
 CHUNK = KVTransferConfig(
     kv_connector=CHUNK_CONNECTOR,
@@ -52,7 +52,7 @@ def test_chunk_cache_beside_another_connector_keeps_vllms_reservation() -> None:
     """In a MultiConnector the other connector may run transfer threads."""
     plain_reserved = binding(VllmConfig())[0]
     multi = VllmConfig(kv_transfer_config=beside_chunk_connector(OTHER))
-    assert not is_chunk_connector(multi.kv_transfer_config)
+    assert not is_plugin_connector(multi.kv_transfer_config)
     assert binding(multi)[0] == plain_reserved + multi.parallel_config.local_world_size
 
 
@@ -64,9 +64,19 @@ def test_user_reservation_still_wins(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_view_hides_only_the_connector() -> None:
     config = VllmConfig(kv_transfer_config=CHUNK)
     view = WithoutKVConnector(config)
-    assert is_chunk_connector(config.kv_transfer_config)
-    assert not is_chunk_connector(OTHER)
+    assert is_plugin_connector(config.kv_transfer_config)
+    assert not is_plugin_connector(OTHER)
     assert view.kv_transfer_config is None
     assert view.parallel_config is config.parallel_config
     with pytest.raises(AttributeError):
         view.kv_transfer_config = CHUNK  # type: ignore[misc]
+
+
+def test_only_the_plugins_own_module_paths_count() -> None:
+    """A user's connector named by module path keeps vLLM's reservation,
+    even one whose package name starts like the plugin's."""
+    for path in ("my_connectors.fast", "vllm_kvreuse_extra.connector"):
+        user = KVTransferConfig(
+            kv_connector="Mine", kv_connector_module_path=path, kv_role="kv_both"
+        )
+        assert not is_plugin_connector(user), path

@@ -4,8 +4,9 @@ A group gets one policy object when it starts (:func:`policy_for`) and asks
 it, never a flag, how to rank a fork step's rows on the host, what a fork
 member must carry for the workers' catalog mask, and which trie node each
 next beam is on. Live and root steps rank on the device
-(:mod:`vllm_kvreuse.beam.select`, given each beam's node by the group's
-plan); both policies turn that result into a :class:`~.policy.Step` alike.
+(:mod:`vllm_kvreuse.beam.worker.select`, given each beam's node by the
+group's plan); both policies turn that result into a
+:class:`~vllm_kvreuse.beam.policy.Step` alike.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.catalog_policy import catalog_args, catalog_step
+from vllm_kvreuse.beam.catalog.policy import catalog_args, catalog_step
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.plan import GroupResult
 from vllm_kvreuse.beam.policy import (
     Beam,

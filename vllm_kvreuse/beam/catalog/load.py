@@ -12,23 +12,20 @@ from typing import Any
 
 import torch
 
-from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.catalog_file import load_catalog
-from vllm_kvreuse.beam.policy import LEAF_EOS_KEY, NODE_KEY
+from vllm_kvreuse.beam.catalog.file import load_catalog
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.config import KVReuseConfig
 
 __all__ = [
-    "LEAF_EOS_KEY",
-    "NODE_KEY",
     "PROCESSOR",
     "PROCESSOR_V2",
     "engine_catalog",
     "select_catalog_processor",
 ]
 
-PROCESSOR = "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessor"
+PROCESSOR = "vllm_kvreuse.beam.catalog.processor:CatalogLogitsProcessor"
 """The catalog mask for vLLM's V1 model runner (what ``--sid-catalog`` adds)."""
-PROCESSOR_V2 = "vllm_kvreuse.beam.catalog_processor:CatalogLogitsProcessorV2"
+PROCESSOR_V2 = "vllm_kvreuse.beam.catalog.processor:CatalogLogitsProcessorV2"
 """The same mask for the V2 model runner, which loads only processors of its
 own interface (``vllm.v1.worker.gpu.sample.logits_processor``)."""
 

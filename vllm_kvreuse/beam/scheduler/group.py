@@ -2,9 +2,18 @@
 
 Free of the hook layer: :class:`BeamGroup` is everything one search
 remembers between steps; :func:`member_request` builds the request that
-computes one beam's next token. Both are read and mutated only by
-:class:`~vllm_kvreuse.beam.feature.EngineBeamSearch` and the group's step
-strategy (:mod:`.live`, :mod:`.fork`).
+computes one beam's next token. Who changes a group (nobody else):
+
+- the group table (:mod:`.groups`): creates it; counts each member it
+  spawns (``num_forks``, ``num_copied_blocks``);
+- the feature (:mod:`.feature`): ``phase``; what a step's outputs bring
+  (``result``, ``snapshots``, ``delivered``, the root's ``prefill_stats``
+  and ``kv_transfer_params``, ``num_member_computed_tokens``); what
+  applying a step changes (``step``, ``completed``, ``previous``, and
+  ``beams`` as a strategy returns them);
+- the step strategies: :mod:`.live` (``members``, ``started``, ``outside``,
+  ``snapshots`` once applied, and the moves it counts), :mod:`.fork`
+  (``rows``).
 """
 
 from __future__ import annotations
@@ -18,9 +27,9 @@ from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.request import Request
 
 from vllm_kvreuse.beam.plan import GroupResult, GroupStep
-from vllm_kvreuse.beam.policies import PlainPolicy
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
+from vllm_kvreuse.beam.scheduler.policies import PlainPolicy
 from vllm_kvreuse.core.request_keys import PARENT
 from vllm_kvreuse.core.upstream import never_stop, share_block_hashes
 
@@ -44,7 +53,8 @@ class BeamGroup:
     beams (their children) have run. ``members``: a live group's requests,
     one per place (``width``), fixed from its first step to its last; each
     carries one beam or none (``Beam.request_id`` names the carrier).
-    ``started``: the workers hold the live group's beams (:mod:`.plan`).
+    ``started``: the workers hold the live group's beams
+    (:mod:`~vllm_kvreuse.beam.plan`).
     ``result``: a step the worker ran next to the logits (root and live
     phases), until it is applied, with ``snapshots`` (the histories of
     moved beams' parents, read before the step's tokens were appended);
@@ -107,15 +117,26 @@ class BeamGroup:
         members')."""
         return self.members if self.phase is Phase.LIVE else self.member_ids
 
+    def has_step(self) -> bool:
+        """A whole step is in, to be applied: the root's (its result, and its
+        own sample delivered), a live group's (the workers applied it), or
+        every fork member's row."""
+        if self.phase is Phase.FORK:
+            return bool(self.rows) and len(self.rows) == len(self.beams)
+        if self.phase is Phase.ROOT and self.root_id not in self.delivered:
+            return False
+        return self.result is not None
+
     @property
     def beam_ids(self) -> list[str]:
         """Requests whose KV the group may hold: last step's and this step's."""
         return self.previous + self.member_ids
 
     def plan(self, blocks: list[list[list[int]]] | None = None) -> GroupStep:
-        """This step as the workers run it next to the logits (:mod:`.plan`):
-        a root's, a live group's first (its beams' state) or a later one;
-        ``blocks``: the members' private blocks, per KV-cache group."""
+        """This step as the workers run it next to the logits
+        (:mod:`~vllm_kvreuse.beam.plan`): a root's, a live group's first
+        (its beams' state) or a later one; ``blocks``: the members' private
+        blocks, per KV-cache group."""
         config = self.config
         ends = config.eos_token_id is not None and not config.ignore_eos
         rule = dict(

@@ -5,15 +5,15 @@ the root (its full blocks by reference, its partial tail copy-on-write),
 and keeps them to its last step: each carries one beam, or none while the
 group has fewer beams than places. A member never finishes with a step.
 
-Each step runs next to the logits (:mod:`.worker`) and the workers apply
-it themselves: they keep the group's beams (which member carries which,
-the scores, the trie nodes), pick the next beams, give each to a member
-(a parent's first child stays on the parent's member; every other child
-takes a *spare*, a member whose beam has no child, then an idle one), set
-each carrier's sampled token to its beam's token, and copy a moved beam's
-parent's private KV blocks (past the prompt's full blocks, which all share)
-into the member that takes it. So the next step needs nothing from the
-scheduler and runs at once, with async scheduling too: a group advances
+Each step runs next to the logits (:mod:`~vllm_kvreuse.beam.worker.job`) and
+the workers apply it themselves: they keep the group's beams (which member
+carries which, the scores, the trie nodes), pick the next beams, give each
+to a member (a parent's first child stays on the parent's member; every
+other child takes a *spare*, a member whose beam has no child, then an idle
+one), set each carrier's sampled token to its beam's token, and copy a moved
+beam's parent's private KV blocks (past the prompt's full blocks, which all
+share) into the member that takes it. So the next step needs nothing from
+the scheduler and runs at once, with async scheduling too: a group advances
 one token per engine step. The scheduler's requests follow when the result
 comes (:meth:`LiveSteps.apply`: a moved member's token history becomes its
 new parent's); block tables never change, and a member's blocks past the
@@ -29,7 +29,11 @@ anyway outside a group step (a preemption inside ``schedule()`` cut the
 batch) has that sample taken back when its output comes
 (:meth:`LiveSteps.rewind`).
 
-This module decides, and applies through :mod:`vllm_kvreuse.core.upstream`.
+:class:`LiveSteps` owns the live-step state that lives between hooks:
+the members held out of one ``schedule()``, the last schedule's held ones,
+and the samples of the output being read that were made outside a group
+step. This module decides, and applies through
+:mod:`vllm_kvreuse.core.upstream`.
 """
 
 from __future__ import annotations
@@ -39,24 +43,25 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.beam.plan import GroupResult
+from vllm_kvreuse.beam.plan import GroupResult, GroupStep, outside_of, put_outside
 from vllm_kvreuse.beam.policy import Beam, Step
+from vllm_kvreuse.beam.scheduler.group import Phase
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.beam.group import BeamGroup
-    from vllm_kvreuse.beam.members import Members
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput
+
+    from vllm_kvreuse.beam.scheduler.group import BeamGroup
+    from vllm_kvreuse.beam.scheduler.groups import GroupTable
     from vllm_kvreuse.core.context import Core
     from vllm_kvreuse.core.upstream import Upstream
-
-OWNER = "beam"
-"""The ledger owner of held beams."""
 
 
 def carriers(
     parents: list[str], children: list[str]
 ) -> tuple[list[str | None], list[str]]:
     """Which request carries each next beam (the host's statement of the
-    worker's :func:`vllm_kvreuse.beam.select.carriers`).
+    worker's :func:`vllm_kvreuse.beam.worker.select.carriers`).
 
     ``parents``: this step's members, in beam order; ``children``: for each
     next beam, in order, its parent's member. Returns, for each child, its
@@ -149,13 +154,90 @@ def stalled(
 
 class LiveSteps:
     """The step strategy of live groups: spawns ``width`` members once;
-    each step the workers put the next beams on them (:mod:`.worker`), and
-    the scheduler's requests follow."""
+    each step the workers put the next beams on them
+    (:mod:`~vllm_kvreuse.beam.worker.job`), and the scheduler's requests
+    follow.
 
-    def __init__(self, core: Core, members: Members) -> None:
+    Live-step state, changed only here: ``held``, the running members out
+    of one ``schedule()`` (:meth:`hold` before it, :meth:`put_back` after
+    it); ``sat_out``, the ids the last ``schedule()`` held (:meth:`stalled`
+    reads them under memory pressure); ``outside_now``, the members whose
+    sample in the output being read was made outside a group step
+    (:meth:`outputs_arrive` sets it, :meth:`take_back` takes each back).
+    """
+
+    def __init__(self, core: Core, groups: GroupTable) -> None:
         self.core = core
-        self._members = members
+        self._groups = groups
         self.num_moved = 0  # members that took another beam (KV copied)
+        self.held: list[Request] = []
+        self.sat_out: set[str] = set()
+        self.outside_now: set[str] = set()
+
+    # -- around one schedule() -----------------------------------------------------
+
+    def hold(self, groups: Iterable[BeamGroup]) -> None:
+        """Takes the live groups' members that cannot step whole out of the
+        running queue, seats and all, for one ``schedule()`` (:func:`to_hold`)."""
+        upstream = self.core.upstream
+        self.held = to_hold(upstream, groups)
+        upstream.hold(self.held)
+
+    def put_back(self) -> None:
+        """Returns the held members to the head of the running queue."""
+        self.sat_out = {r.request_id for r in self.held}
+        if self.held:
+            self.core.upstream.put_back(self.held)
+            self.held = []
+
+    def plan(
+        self, groups: Iterable[BeamGroup], output: SchedulerOutput
+    ) -> list[GroupStep]:
+        """The steps ``output`` runs next to the logits: the root and live
+        groups whose rows it schedules whole (a live group's with its
+        members' private blocks; the workers hold a live group's beams from
+        its first on: ``started``). Members it runs outside a group step
+        are named in ``output`` (their samples are taken back)."""
+        stepping_groups = [g for g in groups if g.phase is not Phase.FORK]
+        before = {g.root_id: set(g.outside) for g in stepping_groups}
+        requests = self.core.scheduler.requests
+        steps: list[GroupStep] = []
+        scheduled = output.num_scheduled_tokens
+        for group in stepping(stepping_groups, scheduled, requests):
+            live_group = group.phase is Phase.LIVE
+            blocks = self.private_blocks(group) if live_group else None
+            steps.append(group.plan(blocks))
+            group.started |= live_group
+        outside = {
+            rid for g in stepping_groups for rid in g.outside - before[g.root_id]
+        }
+        if outside:
+            put_outside(output, outside)
+        return steps
+
+    # -- the output of a step ------------------------------------------------------
+
+    def outputs_arrive(
+        self, scheduler_output: SchedulerOutput, groups: Iterable[BeamGroup]
+    ) -> None:
+        """Samples this output's step made outside a group step: taken back
+        as their outputs are read (:meth:`take_back`), no longer in flight."""
+        self.outside_now = outside_of(scheduler_output)
+        for group in groups:
+            group.outside -= self.outside_now
+
+    def take_back(self, out: EngineCoreOutput) -> None:
+        """A live member's output: its sample is taken back if it was made
+        outside a group step."""
+        if out.request_id in self.outside_now and out.new_token_ids:
+            self.rewind(out.request_id)
+
+    def stalled(self, group: BeamGroup) -> list[Request]:
+        """The group's members the last ``schedule()`` held while a sibling
+        waits (:func:`stalled`)."""
+        return stalled(self.core.scheduler.requests, group, self.sat_out)
+
+    # -- the group's steps ---------------------------------------------------------
 
     def start(self, group: BeamGroup, step: Step, nodes: list[int]) -> list[Beam]:
         """The group's ``width`` members, children of the root: member ``i``
@@ -164,7 +246,7 @@ class LiveSteps:
         beams = []
         for i in range(group.config.width):
             seq, pid = step.beams[min(i, len(step.beams) - 1)]
-            rid = self._members.spawn(group, seq.tokens, pid, i, {})
+            rid = self._groups.spawn(group, seq.tokens, pid, i, {})
             group.members.append(rid)
             if i < len(step.beams):
                 beams.append(Beam(seq, rid, nodes[i] if nodes else 0))

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_kvreuse.beam.catalog import DENSE_MAX_ENTRIES, SidCatalog
+from vllm_kvreuse.beam.catalog.trie import DENSE_MAX_ENTRIES, SidCatalog
 
 MAGIC = "# sid-catalog v1"
 MAX_ITEMS = 1 << 24

@@ -2,7 +2,7 @@
 
 A catalog is a set of items, each a fixed-length sequence of ``depth`` token
 ids (a semantic ID). It is built once (``SidCatalog.from_items``; from a file
-with :func:`vllm_kvreuse.beam.catalog_file.load_catalog`) and then only read.
+with :func:`vllm_kvreuse.beam.catalog.file.load_catalog`) and then only read.
 
 Layout (all tensors on one device, built once, never mutated):
 

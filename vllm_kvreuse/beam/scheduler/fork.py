@@ -2,10 +2,11 @@
 
 The step strategy of a group whose members cannot outlive a step: its
 blocks cannot be handed over (not full attention, or no prefix caching).
-Every step's beams are new one-token requests (:class:`.members.Members`)
-whose parents are held in the ledger; each asks vLLM's sampler for the
-log-prob row its beam needs (``BeamConfig.num_logprobs``), and the group's
-policy ranks the rows on the host (:mod:`.policies`) once all are in.
+Every step's beams are new one-token requests (spawned by the group table,
+:meth:`.groups.GroupTable.spawn`) whose parents are held in the ledger;
+each asks vLLM's sampler for the log-prob row its beam needs
+(``BeamConfig.num_logprobs``), and the group's policy ranks the rows on the
+host (:mod:`.policies`) once all are in.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm_kvreuse.beam.policy import Beam, Step, logprob_row
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.beam.group import BeamGroup
-    from vllm_kvreuse.beam.members import Members
+    from vllm_kvreuse.beam.scheduler.group import BeamGroup
+    from vllm_kvreuse.beam.scheduler.groups import GroupTable
 
 
 class ForkSteps:
     """Spawns each step's beams as new requests; ranks their rows on the host."""
 
-    def __init__(self, members: Members) -> None:
-        self._members = members
+    def __init__(self, groups: GroupTable) -> None:
+        self._groups = groups
 
-    def record(self, group: BeamGroup, out: EngineCoreOutput) -> bool:
-        """One member's log-prob row; True when the step's rows are all in."""
+    def record(self, group: BeamGroup, out: EngineCoreOutput) -> None:
+        """One member's log-prob row (the step is in once all are:
+        :meth:`BeamGroup.has_step`)."""
         logprobs = out.new_logprobs
         assert logprobs is not None
         group.rows[out.request_id] = logprob_row(
@@ -36,7 +38,6 @@ class ForkSteps:
             logprobs.logprobs[0],
             group.config.num_logprobs,
         )
-        return len(group.rows) == len(group.beams)
 
     def host_step(self, group: BeamGroup) -> tuple[Step, list[int]]:
         """The step the members' rows give (and each next beam's node)."""
@@ -49,7 +50,7 @@ class ForkSteps:
         return [
             Beam(
                 seq,
-                self._members.spawn(
+                self._groups.spawn(
                     group, seq.tokens, parent_id, i, args[i] if args else {}
                 ),
                 nodes[i] if nodes else 0,

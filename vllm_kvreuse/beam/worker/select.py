@@ -1,7 +1,7 @@
 """The beam step next to the logits: one group's next beams from its rows.
 
 Pure torch on the logits' device, free of vLLM: the worker runs it inside
-the sampler (:mod:`vllm_kvreuse.beam.worker`), tests run it on CPU
+the sampler (:mod:`vllm_kvreuse.beam.worker.job`), tests run it on CPU
 tensors. For a group of ``B`` beams (rows of logits) and width ``W`` it
 returns ``W`` (parent beam, token, score) triples and, per beam, whether it
 completes: nothing of a ``[B, V]`` log-prob row leaves the device.
@@ -294,7 +294,8 @@ def carriers(
     members carry none). A parent's first child keeps the parent's member;
     each further child, in rank order, takes the next *spare* (a member
     whose beam has no child, then the idle ones, in member order); a child
-    left without a spare gets -1. Mirrors :func:`vllm_kvreuse.beam.live.carriers`.
+    left without a spare gets -1. Mirrors
+    :func:`vllm_kvreuse.beam.scheduler.live.carriers`.
     """
     device = parents.device
     width = len(parents)

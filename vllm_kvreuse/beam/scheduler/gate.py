@@ -16,35 +16,55 @@ so this cannot deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.beam.group import Phase
+from vllm_kvreuse.beam.scheduler.group import Phase
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.beam.group import BeamGroup
+    from vllm_kvreuse.beam.scheduler.group import BeamGroup
+    from vllm_kvreuse.beam.scheduler.groups import GroupTable
     from vllm_kvreuse.core.upstream import Upstream
+
+
+class Gate:
+    """Parks the waiting members of steps that do not fit for one
+    ``schedule()``. ``parked`` (changed only here) is what :meth:`park`
+    took out, until :meth:`unpark` puts it back at the head of the queue."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        self.parked: list[Request] = []
+
+    def park(self, groups: GroupTable) -> None:
+        self.parked = steps_that_do_not_fit(self._upstream, groups, groups.get)
+        self._upstream.park(self.parked)
+
+    def unpark(self) -> None:
+        """Back at the head, in their order."""
+        if self.parked:
+            self._upstream.unpark(self.parked)
+            self.parked = []
 
 
 def steps_that_do_not_fit(
     upstream: Upstream,
-    root_ids: Iterable[str],
-    member_group: Mapping[str, BeamGroup],
+    groups: Iterable[BeamGroup],
+    group_of: Callable[[str], BeamGroup | None],
 ) -> list[Request]:
     """Every waiting member of a group whose step does not fit the free
     blocks (and, for a live group, the free seats), queue order.
 
-    ``root_ids``: the groups, oldest first; ``member_group``: live member
-    (and root) id -> its group. The caller parks them
-    (:meth:`Upstream.park`) for one step and puts them back at the head
-    once the step is scheduled.
+    ``groups``: oldest first; ``group_of``: a root's or member's group. The
+    caller parks them (:meth:`Upstream.park`) for one step and puts them
+    back at the head once the step is scheduled.
     """
     waiting: dict[str, list[Request]] = {}  # root id -> waiting members
     live: set[str] = set()  # groups whose members need seats at once
     for request in upstream.waiting_requests():
-        group = member_group.get(request.request_id)
+        group = group_of(request.request_id)
         if group is not None and request.request_id != group.root_id:
             waiting.setdefault(group.root_id, []).append(request)
             if group.phase is Phase.LIVE:
@@ -54,11 +74,11 @@ def steps_that_do_not_fit(
     free = upstream.num_free_blocks()
     seats = upstream.free_seats()
     parked: list[Request] = []
-    for root_id in root_ids:  # oldest first
-        members = waiting.get(root_id)
+    for group in groups:  # oldest first
+        members = waiting.get(group.root_id)
         if not members:
             continue
-        needs_seats = root_id in live
+        needs_seats = group.root_id in live
         if len(members) <= free and (not needs_seats or len(members) <= seats):
             free -= len(members)
             seats -= len(members) if needs_seats else 0

@@ -20,7 +20,7 @@ any costs one dict truth test. vLLM's two model runners have two processor
 interfaces: :class:`CatalogLogitsProcessor` for the V1 runner (batch updates
 keyed by persistent-batch row), :class:`CatalogLogitsProcessorV2` for the V2
 runner (per-slot state, rows mapped to slots each step). Both mask through
-:func:`mask_catalog_rows`; ``catalog_setup.select_catalog_processor`` names
+:func:`mask_catalog_rows`; ``load.select_catalog_processor`` names
 the one the engine's runner loads.
 """
 
@@ -40,8 +40,9 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcessor as LogitsProcessorV2,
 )
 
-from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY, engine_catalog
+from vllm_kvreuse.beam.catalog.load import engine_catalog
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
+from vllm_kvreuse.core.request_keys import SID_EOS, SID_NODE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,10 +126,10 @@ def catalog_state(params: SamplingParams) -> tuple[int, int] | None:
     """A catalog beam's (trie node, token allowed at a leaf or -1); None for
     any other request."""
     extra_args = params.extra_args
-    if not extra_args or extra_args.get(NODE_KEY) is None:
+    if not extra_args or extra_args.get(SID_NODE) is None:
         return None
-    leaf_eos = extra_args.get(LEAF_EOS_KEY)
-    return extra_args[NODE_KEY], -1 if leaf_eos is None else leaf_eos
+    leaf_eos = extra_args.get(SID_EOS)
+    return extra_args[SID_NODE], -1 if leaf_eos is None else leaf_eos
 
 
 def mask_catalog_rows(

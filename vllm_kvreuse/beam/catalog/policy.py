@@ -1,7 +1,7 @@
 """One step of catalog-constrained beams inside the engine.
 
 Each beam's request returns its top log-probs *after* the catalog mask
-(:mod:`.catalog_processor`), so its row already holds its trie node's best
+(:mod:`.processor`), so its row already holds its trie node's best
 children with their true log-probs, plus the mask's sink and the sampled
 token. The step keeps each beam's legal candidates (its node's children; at
 a leaf, EOS unless the request ignores it), best ``row_size`` first, ties
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
-from vllm_kvreuse.beam.catalog import SidCatalog
-from vllm_kvreuse.beam.catalog_setup import LEAF_EOS_KEY, NODE_KEY
+from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row, Step, expand
+from vllm_kvreuse.core.request_keys import SID_EOS, SID_NODE
 
 
 @dataclass(slots=True)
@@ -114,9 +114,9 @@ def catalog_args(
     assert catalog is not None
     eos = config.eos_token_id
     if eos is None or config.ignore_eos:
-        return [{NODE_KEY: node} for node in nodes]
+        return [{SID_NODE: node} for node in nodes]
     leaves = catalog.is_leaf(torch.tensor(nodes, dtype=torch.long)).tolist()
     return [
-        {NODE_KEY: node, LEAF_EOS_KEY: eos} if leaf else {NODE_KEY: node}
+        {SID_NODE: node, SID_EOS: eos} if leaf else {SID_NODE: node}
         for node, leaf in zip(nodes, leaves, strict=True)
     ]

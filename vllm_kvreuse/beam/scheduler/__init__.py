@@ -1,0 +1,14 @@
+"""Beam search in the engine core: the hook-layer feature and what it owns.
+
+- ``feature.py``: the hook-layer feature: dispatches each hook to the parts
+  below;
+- ``groups.py``: the group table, the one owner of groups' membership and
+  lifecycle (start, spawn, forget, drop);
+- ``group.py``: a group's state, a beam's request;
+- ``live.py``: live beams, one engine request per beam for the whole search
+  (the live step strategy);
+- ``fork.py``: one new request per beam per step, ranked on the host (the
+  fork step strategy);
+- ``gate.py``: a step is admitted whole;
+- ``policies.py``: plain beams or beams in a SID catalog, one object per group.
+"""
