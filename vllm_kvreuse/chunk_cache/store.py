@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_kvreuse.chunk_cache.index import ChunkIndex, Entry, StoreOp
 from vllm_kvreuse.chunk_cache.keys import ChunkKey, Origin, chunk_key
+from vllm_kvreuse.chunk_cache.stats import COUNTERS
 
 
 class ChunkStore:
@@ -132,8 +133,6 @@ class ChunkStore:
 
     def summary(self) -> dict[str, Any]:
         """Counters, gauges, hit rate and capacities (the admin ``stats``)."""
-        from vllm_kvreuse.chunk_cache.stats import COUNTERS
-
         counts = {name: getattr(self.stats, name) for name in COUNTERS}
         looked_up = counts["hits"] + counts["misses"]
         return {
