@@ -132,8 +132,8 @@ def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[...
 
 
 def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A feature's renderer may render a chat request (with no chat
-    template); else vLLM."""
+    """A feature's renderer may render a chat request (a continuation with
+    no chat template, a chunked chat through it); else vLLM."""
 
     async def render_chat_request(self: Any, request: Any) -> Any:
         if (error := client_key_error(self, request)) is not None:
