@@ -32,6 +32,9 @@ from vllm_kvreuse.config import KVReuseConfig
 
 CHUNK_MESSAGES = "chunk_messages"
 """HTTP body field of a chat request: its messages before the last are chunks."""
+MAX_PARTS = 256
+"""Messages plus documents of a request chunked by messages: each is one more
+rendering of the conversation, so their number bounds the cost."""
 
 
 # -- the body -------------------------------------------------------------------
@@ -125,18 +128,13 @@ async def _render(serving: Any, request: Any, **update: Any) -> _Rendering:
 def _what(update: dict[str, Any]) -> str:
     if "messages" in update:
         return f"the first {len(update['messages'])} message(s) alone"
-    count = len(update["documents"] or [])
-    return f"the conversation with the first {count} document(s)"
+    count = len(update["documents"])
+    return f"the conversation with {count} of its documents"
 
 
 async def _message_cuts(serving: Any, request: Any, full: str) -> list[int]:
     """Where each message before the last ends in ``full``."""
     messages = request.messages
-    if len(messages) < 2:
-        raise ChatSplitError(
-            f"{CHUNK_MESSAGES} needs at least two messages: the chunks, then the "
-            "question"
-        )
     prefixes = []
     for count in range(1, len(messages)):
         rendering = await _render(
@@ -150,12 +148,11 @@ async def _message_cuts(serving: Any, request: Any, full: str) -> list[int]:
 async def _document_cuts(serving: Any, request: Any, full: str) -> list[int]:
     """Where each of the request's ``documents`` starts and ends in ``full``."""
     documents = request.documents or []
-    renderings = [
-        (await _render(serving, request, documents=documents[:count] or None)).text
-        or ""
-        for count in range(len(documents))
+    without = [
+        (await _render(serving, request, documents=documents[:n] + documents[n + 1 :]))
+        for n in range(len(documents))
     ]
-    spans = chat_split.document_spans([*renderings, full])
+    spans = chat_split.document_spans(full, [r.text or "" for r in without])
     return [offset for span in spans for offset in span]
 
 
@@ -187,6 +184,15 @@ def _by_messages(request: Any, config: KVReuseConfig) -> bool:
     if not config.enable_chunk_cache:
         raise ChatSplitError(
             f"{CHUNK_MESSAGES} needs a server started with --enable-chunk-cache"
+        )
+    if len(request.messages) < 2:
+        raise ChatSplitError(
+            f"{CHUNK_MESSAGES} needs at least two messages: the chunks, then the "
+            "question"
+        )
+    if len(request.messages) + len(request.documents or []) > MAX_PARTS:
+        raise ChatSplitError(
+            f"{CHUNK_MESSAGES} takes at most {MAX_PARTS} messages and documents"
         )
     check_chunkable(request)
     return True

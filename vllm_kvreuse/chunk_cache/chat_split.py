@@ -71,36 +71,42 @@ def message_cuts(prefixes: Sequence[str], full: str) -> list[int]:
     return cuts
 
 
-def document_spans(renderings: Sequence[str]) -> list[tuple[int, int]]:
-    """Each document's ``(start, end)`` in the last of ``renderings``.
+def document_spans(full: str, without: Sequence[str]) -> list[tuple[int, int]]:
+    """Each document's ``(start, end)`` in ``full``.
 
-    ``renderings[j]`` is the conversation rendered with the first j documents
-    (``renderings[0]`` with none). Each document must insert one run of text
-    after the previous document's, and change nothing else.
+    ``without[j]`` is the same conversation rendered without document j.
+    Each must be ``full`` less one run of text (the document as the template
+    renders it), the runs in document order. Where a run could start at
+    several offsets (the same characters before and after it), the earliest
+    after the previous document is taken: a template's per-document wrapper
+    usually opens with what it closes with.
     """
     spans: list[tuple[int, int]] = []
-    for number, (before, after) in enumerate(pairwise(renderings)):
-        if after == before:
+    for number, rest in enumerate(without):
+        if rest == full:
             raise ChatSplitError(
-                "the chat template does not render `documents` (adding document "
-                f"{number} changes nothing): this model's template ignores "
-                "vLLM's documents field; send the documents as messages with "
-                "chunk_messages"
+                "the chat template does not render `documents` (leaving out "
+                f"document {number} changes nothing): this model's template "
+                "ignores vLLM's documents field; send the documents as messages "
+                "with chunk_messages"
             )
-        start = _common_prefix(before, after)
-        tail = _common_prefix(before[start:][::-1], after[start:][::-1])
-        if start + tail != len(before):
+        size = len(full) - len(rest)
+        latest = _common_prefix(full, rest)
+        earliest = len(rest) - _common_prefix(full[::-1], rest[::-1])
+        start = max(earliest, spans[-1][1] if spans else 0)
+        if size <= 0 or earliest > latest:
             raise ChatSplitError(
                 f"the chat template changes other text when document {number} is "
-                "added (not a single insertion), so it cannot be cut at documents; "
-                "send the documents as messages with chunk_messages"
+                "left out (it is not one run of the rendering), so it cannot be "
+                "cut at documents; send the documents as messages with "
+                "chunk_messages"
             )
-        if spans and start < spans[-1][1]:
+        if start > latest:
             raise ChatSplitError(
                 f"the chat template renders document {number} before document "
                 f"{number - 1}, so it cannot be cut at documents"
             )
-        spans.append((start, len(after) - tail))
+        spans.append((start, start + size))
     return spans
 
 
