@@ -23,6 +23,7 @@ that asks for neither way is vLLM's, untouched.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvreuse.chunk_cache import chat_split
@@ -86,32 +87,36 @@ def check_chunkable(request: Any) -> None:
 # -- rendering ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class _Rendering:
-    """One rendering of a request by vLLM: its conversation, text and tokens."""
+    """One rendering of a request by vLLM: its conversation and engine input."""
 
-    __slots__ = ("conversation", "engine_input", "text", "token_ids")
+    conversation: list[Any]
+    engine_input: Any
 
-    def __init__(self, conversation: Any, engine_input: Any) -> None:
-        self.conversation = conversation
-        self.engine_input = engine_input
-        self.text: str | None = engine_input.get("prompt")
-        self.token_ids: list[int] = engine_input.get("prompt_token_ids") or []
+    @property
+    def text(self) -> str:
+        return self.engine_input.get("prompt") or ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.engine_input.get("prompt_token_ids") or []
 
     @property
     def is_text(self) -> bool:
         """A text-only token prompt (no media, no embeddings)."""
-        return self.engine_input.get("type") == "token" and self.text is not None
+        engine_input = self.engine_input
+        return engine_input.get("type") == "token" and "prompt" in engine_input
 
 
 async def _render(serving: Any, request: Any, **update: Any) -> _Rendering:
-    """``request`` (with ``update`` applied to a copy) rendered as vLLM renders
-    it; a template's refusal of the changed copy is a :class:`ChatSplitError`."""
-    copy = request.model_copy(update=update) if update else request
+    """A copy of ``request`` with ``update`` applied, rendered as vLLM renders
+    it; a template's refusal of it is a :class:`ChatSplitError`."""
     try:
-        result = await serving.online_renderer.render_chat(copy)
-    except Exception as e:
-        if not update:
-            raise  # the request itself: vLLM's own error, as without the plugin
+        result = await serving.online_renderer.render_chat(
+            request.model_copy(update=update)
+        )
+    except Exception as e:  # whatever the template raises
         message = f"the chat template cannot render {_what(update)}: {e}"
         raise ChatSplitError(message) from e
     if not isinstance(result, tuple):  # an ErrorResponse
@@ -141,7 +146,7 @@ async def _message_cuts(serving: Any, request: Any, full: str) -> list[int]:
             serving, request, messages=messages[:count],
             add_generation_prompt=False, continue_final_message=False,
         )  # fmt: skip
-        prefixes.append(rendering.text or "")
+        prefixes.append(rendering.text)
     return chat_split.message_cuts(prefixes, full)
 
 
@@ -152,7 +157,7 @@ async def _document_cuts(serving: Any, request: Any, full: str) -> list[int]:
         (await _render(serving, request, documents=documents[:n] + documents[n + 1 :]))
         for n in range(len(documents))
     ]
-    spans = chat_split.document_spans(full, [r.text or "" for r in without])
+    spans = chat_split.document_spans(full, [rendering.text for rendering in without])
     return [offset for span in spans for offset in span]
 
 
@@ -160,7 +165,7 @@ async def _segments(
     serving: Any, request: Any, full: _Rendering, by_messages: bool, separator: str
 ) -> list[list[int]]:
     """The chunked prompt's segments: token ids, checked against vLLM's."""
-    text = full.text or ""
+    text = full.text
     segments = [text]
     if by_messages:
         cuts = await _message_cuts(serving, request, text)
@@ -210,15 +215,19 @@ async def render_chunked_chat(serving: Any, request: Any) -> Any | None:
         return serving.create_error_response(str(e), param=param)
     if not by_messages and not separator:
         return None
-    # What OpenAIServingChat.render_chat_request does, then the cuts.
+    # What OpenAIServingChat.render_chat_request does (its _preflight through
+    # the engine client's public checks), then the cuts.
     if (error := await serving._check_model(request)) is not None:
         return error
-    serving._preflight(request.n or 1)
+    engine = serving.engine_client
+    if engine.errored:
+        raise engine.dead_error
+    engine.check_admission(request.n or 1)
     result = await serving.online_renderer.render_chat(request)
     if not isinstance(result, tuple):
         return result  # vLLM's own error
     full = _Rendering(result[0], result[1][0])
-    if not by_messages and separator not in (full.text or ""):
+    if not by_messages and separator not in full.text:
         return result  # holds no separator: vLLM's rendering, as is
     try:
         if not full.is_text:
