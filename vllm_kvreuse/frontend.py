@@ -113,12 +113,14 @@ def wrap_new_completion_output(original: Callable[..., Any]) -> Callable[..., An
 async def _render(field: str, serving: Any, request: Any) -> Any | None:
     """What the first renderer that claims ``request`` returns; else None.
 
-    Engine inputs (a list) pass vLLM's model check before they are returned,
-    as the unpatched renderer's inputs do: its LoRA look-up and request log.
+    Engine inputs (a list, or chat's ``(conversation, list)``) pass vLLM's
+    model check before they are returned, as the unpatched renderer's inputs
+    do: its LoRA look-up and request log.
     """
     for render in _renderers(field):
         result = await render(serving, request)
-        if isinstance(result, list):
+        inputs = result[1] if isinstance(result, tuple) else result
+        if isinstance(inputs, list):
             return await serving._check_model(request) or result
         if result is not None:
             return result
@@ -138,8 +140,8 @@ def wrap_render_completion_request(original: Callable[..., Any]) -> Callable[...
 
 
 def wrap_render_chat_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A feature's renderer may render a chat request (with no chat
-    template); else vLLM."""
+    """A feature's renderer may render a chat request (a continuation with
+    no chat template, a chunked chat through it); else vLLM."""
 
     async def render_chat_request(self: Any, request: Any) -> Any:
         if (error := client_key_error(self, request)) is not None:

@@ -287,3 +287,60 @@ def test_streaming_and_parallel_samples_work_on_chunked_prompts(servers) -> None
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     many = complete(chunked, chunks=rag_chunks([1, 0], "Twice?"), n=2, temperature=0.8)
     assert many.status_code == 200 and len(many.json()["choices"]) == 2
+
+
+def chat(server: Server, **body) -> dict:
+    body = {"model": SERVED_MODEL, "max_tokens": 6, "temperature": 0.0, **body}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chunk_messages_is_the_chunks_completion_of_its_rendering(
+    servers, tokenizer
+) -> None:
+    """Chat with ``chunk_messages``: every message before the last a chunk, cut
+    where the chat template renders them; the same prompt tokens, answer and
+    cached tokens as ``chunks`` sent to /v1/completions (the real-model and
+    client side: tests/e2e/test_rag_clients.py)."""
+    _, chunked = servers
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": "user", "content": doc} for doc in DOCS[:2]]
+    messages.append({"role": "user", "content": "Which chat topic?"})
+    prefixes = [
+        tokenizer.apply_chat_template(messages[:k], tokenize=False)
+        for k in range(1, len(messages))
+    ]
+    full = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    pairs = zip(["", *prefixes], [*prefixes, full], strict=True)
+    chunks = [text[len(before) :] for before, text in pairs]
+    body = {"return_token_ids": True, "chunk_recompute": "none"}
+    chat(chunked, messages=messages, chunk_messages=True, **body)
+    by_chat = chat(chunked, messages=messages, chunk_messages=True, **body)
+    by_chunks = complete(chunked, chunks=chunks, **body).json()
+    assert by_chat["prompt_token_ids"] == by_chunks["choices"][0]["prompt_token_ids"]
+    assert by_chat["prompt_token_ids"] == tokenizer.encode(
+        full, add_special_tokens=False
+    )
+    assert by_chat["choices"][0]["token_ids"] == by_chunks["choices"][0]["token_ids"]
+    question = tokenizer.encode(chunks[-1], add_special_tokens=False)
+    assert cached(by_chat) == cached(by_chunks)
+    assert cached(by_chat) >= len(by_chat["prompt_token_ids"]) - len(question)
+
+
+def cached(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_chat_without_chunk_messages_is_plain_vllms(servers) -> None:
+    plain, chunked = servers
+    messages = [{"role": "user", "content": SYSTEM + DOCS[0] + "## Which topic?"}]
+    lookups = chunk_lookups(chunked)
+    want, got = (
+        chat(server, messages=messages, return_token_ids=True)["choices"]
+        for server in (plain, chunked)
+    )
+    assert got == want
+    assert chunk_lookups(chunked) == lookups  # the store never saw it

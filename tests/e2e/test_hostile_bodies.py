@@ -60,12 +60,70 @@ def chat(**fields: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def user(content: Any) -> dict[str, Any]:
+    return {"role": "user", "content": content}
+
+
+TWO_MESSAGES = [user("a document"), user("a question")]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_CALL = {"id": "call_1", "type": "function",
+             "function": {"name": "f", "arguments": "{}"}}  # fmt: skip
+
 WRONG_VALUES = ["x", -1, 0, HUGE, -HUGE, 1e308, float("nan"), [], {}, "", None, True]
 PLUGIN_FIELDS = (
     "cache_hit_threshold", "retain_kv", "retain_kv_ttl", "continuation_of",
     "continuation_choice", "continuation_suffix", "continuation_suffix_token_ids",
     "chunks",
 )  # fmt: skip
+
+# Chat bodies the chunk cache refuses (chunk_messages, or the '##' separator
+# in the rendered conversation): each a 4xx, never a wrong split.
+CHUNKED_CHAT: list[tuple[str, str, dict[str, Any]]] = [
+    *(
+        (f"chat chunk_messages={value!r}", "/v1/chat/completions",
+         chat(chunk_messages=value, messages=TWO_MESSAGES))
+        for value in ("yes", 1, 0, [], {}, "true")
+    ),
+    ("chat chunk_messages: one message", "/v1/chat/completions",
+     chat(chunk_messages=True)),
+    ("chat chunk_messages: empty message", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=[user(""), user("hi")])),
+    ("chat chunk_messages: null content", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=[user(None), user("hi")])),
+    ("chat chunk_messages: empty text part", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=[user([{"type": "text", "text": ""}]),
+                                         user("hi")])),
+    ("chat chunk_messages: image part", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=[user([IMAGE]), user("hi")])),
+    ("chat chunk_messages: image in the question", "/v1/chat/completions",
+     chat(chunk_messages=True,
+          messages=[user("doc"), user([{"type": "text", "text": "q"}, IMAGE])])),
+    ("chat chunk_messages: tools", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=TWO_MESSAGES, tools=[TOOL])),
+    ("chat chunk_messages: tool call", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=[
+         user("doc"),
+         {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+         {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+         user("q"),
+     ])),
+    ("chat chunk_messages: documents ignored", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=TWO_MESSAGES,
+          documents=[{"title": "a", "text": "b"}])),
+    ("chat chunk_messages: too many", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=[user("m")] * 300)),
+    ("chat chunk_messages and a parent", "/v1/chat/completions",
+     chat(chunk_messages=True, messages=[], continuation_of="nope")),
+    ("chat separator: empty segment", "/v1/chat/completions",
+     chat(messages=[user("a####b")])),
+    # the tokenizer merges " ##": its tokens alone would not be vLLM's
+    ("chat separator: merged", "/v1/chat/completions", chat(messages=[user("a ##b")])),
+    ("chat separator: image", "/v1/chat/completions",
+     chat(messages=[user([{"type": "text", "text": "a##b"}, IMAGE])])),
+    ("chat separator: tools", "/v1/chat/completions",
+     chat(messages=[user("a##b")], tools=[TOOL])),
+]  # fmt: skip
 
 BODIES: list[tuple[str, str, dict[str, Any]]] = [
     *(
@@ -187,6 +245,19 @@ def test_hostile_child_of_a_real_parent(server: Server, field: str, value) -> No
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("name", "path", "body"), CHUNKED_CHAT, ids=[b[0] for b in CHUNKED_CHAT]
+)
+def test_a_chat_the_chunk_cache_cannot_split_is_a_4xx(
+    server: Server, name: str, path: str, body: dict[str, Any]
+) -> None:
+    response = post(server, path, body)
+    assert 400 <= response.status_code < 500, f"{name}: {response.text[:300]}"
+    error = response.json()["error"]
+    assert error["message"] and error["code"] == response.status_code
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_use_beam_search_must_be_a_boolean(server: Server, path: str) -> None:
     body = (base if path == "/v1/completions" else chat)(use_beam_search="yes", n=2)
@@ -210,6 +281,14 @@ def test_the_server_still_serves_every_feature_afterwards(server: Server) -> Non
     assert chunked.status_code == 200
     separated = post(server, "/v1/completions", base(prompt="system##doc##question"))
     assert separated.status_code == 200
+    by_messages = post(
+        server, "/v1/chat/completions", chat(chunk_messages=True, messages=TWO_MESSAGES)
+    )
+    assert by_messages.status_code == 200, by_messages.text
+    chat_separated = post(
+        server, "/v1/chat/completions", chat(messages=[user("doc##question")])
+    )
+    assert chat_separated.status_code == 200, chat_separated.text
     beams = post(server, "/v1/completions", base(use_beam_search=True, n=2))
     assert beams.status_code == 200 and len(beams.json()["choices"]) == 2
 

@@ -4,7 +4,8 @@ Starts the script as a new user would (it serves the default model,
 SmolLM2-135M-Instruct, with every feature on), reads the examples it prints,
 runs them in one shell in order, and checks each answer contains what its
 ``# expect:`` line says: real answers ("Paris", a RAG answer from the
-documents through the chunk cache, a two-stage call's "Berlin").
+documents through the chunk cache, by ``chunks`` and by chat messages, a
+two-stage call's "Berlin").
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_every_printed_example_works(smollm2_dir: str, tmp_path: Path) -> None:
                 assert time.monotonic() < deadline, "serve.sh printed no examples"
                 time.sleep(1)
             pairs = examples(log.read_text())
-            assert sum(1 for _, expect in pairs if expect) >= 7, pairs
+            assert sum(1 for _, expect in pairs if expect) >= 8, pairs
             run_and_check(pairs)
         finally:
             os.killpg(script.pid, signal.SIGTERM)

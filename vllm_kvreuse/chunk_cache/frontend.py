@@ -149,8 +149,15 @@ async def render_chunked(serving: Any, request: Any) -> list[Any] | Any | None:
             )
     except (VLLMValidationError, ValueError) as e:
         return serving.create_error_response(str(e), param=BODY_FIELD)
+    return [chunked_input(request, token_ids, lengths)]
+
+
+def chunked_input(request: Any, token_ids: list[int], lengths: list[int]) -> Any:
+    """The engine input of a chunked HTTP request (completion or chat): its
+    token ids, with the chunk lengths added to ``request.vllm_xargs`` as the
+    sealed internal key, which upstream copies into ``extra_args``."""
     request.vllm_xargs = {
         **(request.vllm_xargs or {}),
         **seal({CHUNKS: lengths}),
     }
-    return [tokens_input(token_ids, cache_salt=request.cache_salt)]
+    return tokens_input(token_ids, cache_salt=request.cache_salt)

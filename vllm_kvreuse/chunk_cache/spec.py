@@ -28,19 +28,22 @@ SPEC = FeatureSpec(
             False,
             "Position-independent chunk cache for RAG requests that send their "
             "segments as a 'chunks' field (texts or token-id lists: system prompt, "
-            "documents, question): a chunk not yet stored is computed in place "
-            "(as plain vLLM computes it) and stored by content; a stored chunk is "
-            "reused at any position by re-rotating its keys. Ordinary prompts are "
-            "never chunked. Uses the KV-connector slot.",
+            "documents, question), or chat requests with 'chunk_messages': true "
+            "(every message before the last a chunk, through the model's chat "
+            "template): a chunk not yet stored is computed in place (as plain "
+            "vLLM computes it) and stored by content; a stored chunk is reused at "
+            "any position by re-rotating its keys. Ordinary prompts are never "
+            "chunked. Uses the KV-connector slot.",
         ),
         Option(
             "chunk_separator",
             parse_separator,
             "",
-            "Also split text prompts at this separator into chunks (e.g. '##', "
-            "the format 'sys##doc1##doc2##question'); every prompt containing it "
-            "is then chunked. Empty (the default): only requests with a 'chunks' "
-            "field are chunked.",
+            "Also split text prompts, and chat conversations as the chat template "
+            "renders them, at this separator into chunks (e.g. '##', the format "
+            "'sys##doc1##doc2##question'); every prompt containing it is then "
+            "chunked. Empty (the default): only requests with a 'chunks' field "
+            "or 'chunk_messages' are chunked.",
         ),
         Option(
             "chunk_cache_device_fraction",
@@ -114,4 +117,5 @@ SPEC = FeatureSpec(
     on_register="vllm_kvreuse.chunk_cache.engine_args:register_chunk_connector_name",
     promptless_fields=(BODY_FIELD,),
     render_completion="vllm_kvreuse.chunk_cache.frontend:render_chunked",
+    render_chat="vllm_kvreuse.chunk_cache.chat:render_chunked_chat",
 )

@@ -119,7 +119,10 @@ PATCHES: tuple[Patch, ...] = (
         },
         why="As OpenAIServingCompletion.render_completion_request, for chat.",
         how="As OpenAIServingCompletion.render_completion_request; the chat "
-        "template is not applied to a continuation.",
+        "template is not applied to a continuation. A chunked chat "
+        "(chunk_messages, or the separator in the rendering) is rendered by "
+        "vLLM's OnlineRenderer.render_chat, cut at messages, documents or "
+        "the separator, and refused if the pieces' tokens are not vLLM's.",
         remove_when="As OpenAIServingCompletion.render_completion_request.",
     ),
     Patch(
