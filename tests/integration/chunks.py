@@ -52,12 +52,18 @@ def index_of(llm: LLM) -> ChunkIndex:
 
 
 def generate(
-    llm: LLM, segments: list[list[int]], max_tokens: int = 6, recompute: Any = None
+    llm: LLM,
+    segments: list[list[int]],
+    max_tokens: int = 6,
+    recompute: Any = None,
+    attention: str | None = None,
 ) -> RequestOutput:
     token_ids, lengths = chunked_prompt(segments)
     extra_args = seal({CHUNKS: lengths})
     if recompute is not None:
         extra_args["chunk_recompute"] = recompute
+    if attention is not None:
+        extra_args["chunk_attention"] = attention
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5,
         extra_args=extra_args,

@@ -19,6 +19,10 @@ Scheduler (engine core):
 - ``feature.py``: the hook-layer feature: chunked requests' plans, segments;
 - ``scheduler_side.py``: every plan: loads, chunks computed in place, saves;
 - ``store.py``: the store's owner: keys, pins, reservations, admin actions;
+- ``paths.py``: answer paths (``--chunk-attention paths``): each document
+  on its own exact prefix, scored by the question's likelihood;
+- ``voting.py``: the paths' scoring requests, and the request parked until
+  its likeliest path becomes its prompt;
 - ``recompute.py``: which chunk tokens a request recomputes (heads, chunks
   chosen by the question, a tail), and its ``chunk_recompute`` field;
 - ``index.py``: the index: what is stored where, LRU order, pins, capacity;

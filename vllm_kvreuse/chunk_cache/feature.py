@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_kvreuse.chunk_cache import paths
 from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.recompute import (
@@ -36,10 +37,13 @@ from vllm_kvreuse.chunk_cache.recompute import (
     Recompute,
     parse_recompute,
 )
+from vllm_kvreuse.chunk_cache.voting import Voting
+from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.feature import Feature
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput
 
     from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
     from vllm_kvreuse.core.context import Core
@@ -65,10 +69,21 @@ class ChunkCache(Feature):
         # New segmented requests: upstream counts only their first load
         # region as cached at first schedule; after_schedule counts the rest.
         self._uncounted: set[str] = set()
+        settings = KVReuseConfig.from_vllm_config(core.scheduler.vllm_config)
+        self.attention = settings.chunk_attention
+        self.voting = Voting(core, self)
 
     # -- requests --------------------------------------------------------------
 
     def on_add(self, request: Request) -> None:
+        lengths = chunk_lengths(request, request.num_prompt_tokens)
+        if lengths is None:
+            return
+        if _attention_of(request, self.attention) == "paths":
+            answer_paths = paths.paths_of(request.prompt_token_ids or [], lengths)
+            if answer_paths and _may_take_paths(request):
+                self.voting.start(request, answer_paths)
+                return
         self._plan(request)
 
     def on_preempt(self, request: Request) -> None:
@@ -81,6 +96,14 @@ class ChunkCache(Feature):
 
     def on_finish(self, request: Request) -> None:
         self._uncounted.discard(request.request_id)
+        if request.request_id in self.voting.ballots.by_request:
+            self.voting.forget(request.request_id)
+
+    def on_internal_output(self, output: EngineCoreOutput) -> None:
+        """A path's score; a request whose path ended unscored runs jointly."""
+        request = self.voting.on_output(output)
+        if request is not None:
+            self._plan(request)
 
     def extra_hit_tokens(self, request: Request, num_local: int) -> int | None:
         """Stored chunks past the local hit count as hits (threshold check)."""
@@ -97,11 +120,14 @@ class ChunkCache(Feature):
 
     def before_schedule(self) -> None:
         self._advance_segments()
+        if self.voting.ballots.by_request:
+            self.voting.park()
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         """At a new chunked request's first schedule, its prefill stats (and
         so ``cached_tokens``) count every token it will load from the store
         and that was stored when it arrived, whatever step loads it."""
+        self.voting.unpark()
         if not self._uncounted:
             return
         requests = self.core.scheduler.requests
@@ -125,6 +151,7 @@ class ChunkCache(Feature):
         return {
             "chunked_requests": len(side.plans),
             "pinned_chunks": side.store.index.num_pinned,
+            "waiting_for_path_scores": len(self.voting.ballots.by_request),
         }
 
     def admin(self, action: str, **chunk: Any) -> dict[str, Any]:
@@ -160,6 +187,19 @@ class ChunkCache(Feature):
             self.core.upstream.rehash(request, plan.block_salt)
         if plan.spans and plan.loaded_keys:
             self._uncounted.add(request.request_id)
+
+
+def _attention_of(request: Request, default: str) -> str:
+    """The request's own attention mode, else the server's."""
+    extra_args = request.sampling_params.extra_args or {}
+    value = extra_args.get(paths.REQUEST_KEY)
+    return default if value is None else paths.parse_attention(value)
+
+
+def _may_take_paths(request: Request) -> bool:
+    """Paths change the prompt the engine runs: not for a request whose
+    client reads prompt log-probs (they would be the path's)."""
+    return request.sampling_params.prompt_logprobs is None
 
 
 def _recompute_of(request: Request) -> Recompute | None:

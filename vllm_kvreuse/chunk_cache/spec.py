@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
+from vllm_kvreuse.chunk_cache.paths import MODES as CHUNK_ATTENTION_MODES
+from vllm_kvreuse.chunk_cache.paths import REQUEST_KEY as CHUNK_ATTENTION
+from vllm_kvreuse.chunk_cache.paths import parse_attention
 from vllm_kvreuse.chunk_cache.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
 from vllm_kvreuse.chunk_cache.recompute import parse_recompute
 from vllm_kvreuse.core.options import (
@@ -67,6 +70,17 @@ SPEC = FeatureSpec(
             "--prefix-caching-hash-algo (sha256 unless set).",
         ),
         Option(
+            "chunk_attention",
+            choice_parser(*CHUNK_ATTENTION_MODES),
+            "joint",
+            "How a chunked request with several documents is answered: 'joint' "
+            "(one prompt: stored chunks loaded, new ones computed in place) or "
+            "'paths' (each document on its own prefix, system prompt + document "
+            "+ question, and the request answered on the one that makes the "
+            "question likeliest; exact KV, no cross-document answers). A "
+            "request's 'chunk_attention' field overrides it.",
+        ),
+        Option(
             "chunk_recompute_fraction",
             parse_fraction,
             0.125,
@@ -94,6 +108,14 @@ SPEC = FeatureSpec(
         ),
     ),
     keys=(
+        ArgKey(
+            CHUNK_ATTENTION,
+            "chunk_cache",
+            True,
+            parse_attention,
+            "How a chunked request is answered: 'joint' or 'paths' (else the "
+            "server's --chunk-attention).",
+        ),
         ArgKey(
             CHUNK_RECOMPUTE,
             "chunk_cache",

@@ -138,6 +138,12 @@ class Upstream:
         request.update_block_hashes()
 
     @staticmethod
+    def hasher_of(request: Request) -> Callable[[Request], list[Any]]:
+        """The request's block hasher (the engine's), to build another
+        request hashed the same way."""
+        return request._block_hasher
+
+    @staticmethod
     def move_computed(request: Request, num_computed: int) -> None:
         """Sets the request's computed count (a KV connector loads the
         tokens it skips; the request is then sent whole, :mod:`.resend`)."""

@@ -79,7 +79,11 @@ _QUEUES = (
         "live beam members sit out a schedule() and "
         "come back at its head; preempted members leave it",
     ),
-    _attr(f"{_SCHED}.waiting", "a beam step that does not fit is parked"),
+    _attr(
+        f"{_SCHED}.waiting",
+        "a beam step that does not fit is parked; so is a chunked request "
+        "waiting for its answer paths' scores",
+    ),
     _attr(
         f"{_SCHED}.kv_holding_waiting",
         "the layer's memory-pressure check counts every waiting request",
@@ -178,7 +182,8 @@ _REQUESTS = (
     _attr(f"{_REQ}._output_token_ids", "(as _all_token_ids)"),
     _attr(
         f"{_REQ}._block_hasher",
-        "a beam member reuses the root's hasher",
+        "a beam member reuses the root's hasher; a path's scoring request "
+        "hashes its prefix with its request's",
     ),
     _attr(
         f"{_REQ}.cache_salt",

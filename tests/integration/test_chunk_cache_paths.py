@@ -1,0 +1,84 @@
+"""``--chunk-attention paths``: a chunked request is answered on the path
+(system prompt + one document + question) that makes its question likeliest.
+
+The reference is vLLM's own loop: each path run as an ordinary request with
+prompt log-probs, the likeliest chosen, and that path's greedy answer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from vllm import LLM, SamplingParams
+
+from tests.integration.chunks import (
+    DOC_A,
+    DOC_B,
+    DOC_C,
+    QUESTION,
+    SYSTEM,
+    chunk_cache_llm,
+    generate,
+)
+from tests.integration.conftest import num_free_blocks, scheduler_of
+
+DOCS = (DOC_A, DOC_B, DOC_C)
+
+
+def _question_logprob(llm: LLM, doc: list[int]) -> float:
+    """Log-likelihood of QUESTION after its first token, on ``doc``'s path."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    (out,) = llm.generate(
+        [{"prompt_token_ids": SYSTEM + doc + QUESTION}], params, use_tqdm=False
+    )
+    start = len(SYSTEM) + len(doc) + 1
+    rows = out.prompt_logprobs[start:]
+    tokens = out.prompt_token_ids[start:]
+    return sum(row[token].logprob for row, token in zip(rows, tokens, strict=True))
+
+
+def _answer(llm: LLM, prompt: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def test_a_request_is_answered_on_its_likeliest_path(model_dir: str) -> None:
+    """Cold and reordered: the answer is the likeliest path's, as an ordinary
+    request on that path answers; a reorder finds its documents' prefixes
+    in vLLM's prefix cache; every scoring request's blocks come back."""
+    with chunk_cache_llm(model_dir, chunk_attention="paths") as llm:
+        free = num_free_blocks(llm)
+        voting = scheduler_of(llm).feature("chunk_cache").voting
+        out = generate(llm, [SYSTEM, *DOCS, QUESTION])
+        assert voting.num_decided == 1
+        assert not voting.ballots.by_request
+        reordered = generate(llm, [SYSTEM, DOC_C, DOC_A, DOC_B, QUESTION])
+        assert voting.num_decided == 2
+        # Whole blocks of system + document: cached by the first request's
+        # scoring requests (the 32-token block is the tests' block size).
+        assert reordered.num_cached_tokens >= 32
+        llm.reset_prefix_cache()
+        scores = [_question_logprob(llm, doc) for doc in DOCS]
+        assert all(math.isfinite(score) for score in scores)
+        best = max(range(len(DOCS)), key=lambda i: (scores[i], -i))
+        # Not a near tie, so float noise between runs cannot flip the choice.
+        assert scores[best] - sorted(scores)[-2] > 0.1
+        expected = _answer(llm, SYSTEM + DOCS[best] + QUESTION)
+        assert list(out.outputs[0].token_ids) == expected
+        assert list(reordered.outputs[0].token_ids) == expected
+        assert num_free_blocks(llm) == free
+
+
+def test_paths_per_request_and_where_they_do_not_apply(model_dir: str) -> None:
+    """A request's ``chunk_attention`` field picks paths on a joint server;
+    one document, or prompt log-probs asked for, run jointly."""
+    with chunk_cache_llm(model_dir) as llm:
+        voting = scheduler_of(llm).feature("chunk_cache").voting
+        generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION])
+        assert voting.num_decided == 0
+        out = generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION], attention="paths")
+        assert voting.num_decided == 1
+        assert out.outputs[0].token_ids
+        generate(llm, [SYSTEM, DOC_A, QUESTION], attention="paths")
+        assert voting.num_decided == 1  # one document: nothing to choose

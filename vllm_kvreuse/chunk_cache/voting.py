@@ -1,0 +1,121 @@
+"""Answer paths in the engine core: scoring requests, parking, the winner.
+
+The feature hands a chunked request in ``paths`` mode to :class:`Voting`,
+which spawns one scoring request per document (:mod:`.paths`), keeps the
+request out of each schedule until every path is scored, then makes the
+likeliest path the request's prompt. Nothing here touches KV: paths are
+ordinary prompts, cached and found by vLLM's prefix cache.
+
+Ownership: :attr:`Voting.ballots` (the only one changing them) holds each
+waiting request and its scoring requests' ids; a request leaves it when
+decided, when it finishes, or when a scoring request ends without a score
+(it then runs jointly: :meth:`Voting.on_output` returns it to the feature).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_kvreuse.chunk_cache.paths import Ballot, Ballots, Path, prefix_hasher
+
+if TYPE_CHECKING:
+    from vllm.v1.engine import EngineCoreOutput
+
+    from vllm_kvreuse.core.context import Core
+    from vllm_kvreuse.core.internal import Spawner
+
+
+class Voting:
+    """Chunked requests waiting for their paths' scores."""
+
+    def __init__(self, core: Core, owner: Spawner) -> None:
+        self.core = core
+        self._owner = owner
+        self.ballots = Ballots()
+        self._parked: list[Request] = []
+        self._counter = itertools.count()
+        self.num_decided = 0
+
+    def start(self, request: Request, paths: list[Path]) -> None:
+        """Spawns ``request``'s scoring requests; it waits for their scores."""
+        upstream = self.core.upstream
+        hasher = upstream.hasher_of(request)
+        number = next(self._counter)
+        scoring: dict[str, Path] = {}
+        for index, path in enumerate(paths):
+            scoring_id = f"kvreuse-path-{number}-{index}-{request.request_id}"
+            scoring[scoring_id] = path
+        self.ballots.open(request, scoring)
+        for scoring_id, path in scoring.items():
+            self.core.internal.spawn(
+                Request(
+                    request_id=scoring_id,
+                    prompt_token_ids=path.tokens,
+                    # The question's log-probs, from rows the prefix cache
+                    # cannot hold (the hasher stops at the document).
+                    sampling_params=SamplingParams(
+                        max_tokens=1,
+                        temperature=0.0,
+                        prompt_logprobs=0,
+                        skip_reading_prefix_cache=False,
+                        detokenize=False,
+                    ),
+                    pooling_params=None,
+                    client_index=request.client_index,
+                    lora_request=request.lora_request,
+                    cache_salt=request.cache_salt,
+                    priority=request.priority,
+                    block_hasher=prefix_hasher(
+                        hasher, upstream.hash_block_size, path.prefix
+                    ),
+                ),
+                self._owner,
+            )
+
+    def park(self) -> None:
+        """Takes waiting ballots' requests out of the queue for a schedule."""
+        self._parked = [
+            request
+            for request in self.ballots.waiting()
+            if request.status == RequestStatus.WAITING
+        ]
+        self.core.upstream.park(self._parked)
+
+    def unpark(self) -> None:
+        self.core.upstream.unpark(self._parked)
+        self._parked = []
+
+    def on_output(self, output: EngineCoreOutput) -> Request | None:
+        """A scoring request's output. Decides its request once every path
+        is scored; returns the request if a path ended unscored (it then
+        runs jointly)."""
+        ballot = self.ballots.ballot_of(output.request_id)
+        if ballot is None:
+            return None
+        logprobs = output.new_prompt_logprobs_tensors
+        if logprobs is not None:
+            decided = self.ballots.score(output.request_id, logprobs)
+            if decided is not None:
+                self._decide(decided)
+            return None
+        if output.finish_reason is None:
+            return None
+        self.forget(ballot.request.request_id)  # ended without its score
+        return ballot.request
+
+    def forget(self, request_id: str) -> None:
+        """``request_id`` finished, or gave up its paths: its scoring
+        requests still running are aborted."""
+        self.core.abort(self.ballots.close(request_id))
+
+    def _decide(self, ballot: Ballot) -> None:
+        request = ballot.request
+        self.ballots.close(request.request_id)
+        winner = ballot.winner()
+        # Waiting, never scheduled: no block, nothing computed.
+        self.core.upstream.retoken(request, winner.tokens, 0, [], None)
+        self.num_decided += 1
