@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from chunk_quality import Prompts, accuracy_items  # benchmarks/ is on sys.path
 from quality_data import People
+from reuse_workload import GENERATORS
 from transformers import AutoModelForCausalLM, DynamicCache
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, T, D]
@@ -347,18 +348,28 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=12)
     parser.add_argument("--modes", nargs="+", default=["full", "isolated"])
     parser.add_argument("--results", help="JSON: answers kept, runs resumed")
+    parser.add_argument(
+        "--generator",
+        choices=GENERATORS,
+        default="profiles",
+        help="the documents (reuse_workload.py's kinds)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the documents' seed")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     prompts = Prompts(args.model)
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
-    # chunk_quality.py's sets (its defaults), one-document questions only
+    # chunk_quality.py's sets (its defaults: profiles, seed 0), one-document
+    # questions only
     options = argparse.Namespace(sets=args.sets, docs=4, doc_tokens=500, per_set=8,
                                  two_hop=2)  # fmt: skip
     sets = [
         [item for item in items if not item.two_hop]
-        for items in accuracy_items(prompts, People(seed=0), options)
+        for items in accuracy_items(
+            prompts, GENERATORS[args.generator](args.seed), options
+        )
     ]
     saved = Path(args.results) if args.results else None
     results = json.loads(saved.read_text()) if saved and saved.exists() else {}
