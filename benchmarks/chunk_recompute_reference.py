@@ -115,6 +115,7 @@ def forward(model, ids: list[int], start: int, cache=None, mask=None) -> Dynamic
         attention_mask=mask,
         past_key_values=cache,
         use_cache=True,
+        logits_to_keep=1,  # only the last position's are read
     )
     return cache
 
@@ -175,6 +176,7 @@ def recompute(model, prompt: Prompt, base: KV, positions: list[int]) -> KV:
         attention_mask=mask[None, None],
         past_key_values=cache,
         use_cache=True,
+        logits_to_keep=1,  # only the last position's are read
     )
     order = torch.argsort(torch.cat([kept, chosen]))
     return [(k[:, :, order], v[:, :, order]) for k, v in kv_of(cache)]
@@ -192,6 +194,7 @@ def answer(model, tokenizer, kv: KV, at: int, question: list[int]) -> str:
             position_ids=torch.arange(at, at + len(feed))[None],
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,  # only the last position's are read
         ).logits[0, -1]
         at += len(feed)
         feed = [int(logits.argmax())]
