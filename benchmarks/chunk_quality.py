@@ -13,8 +13,9 @@ after it contain the expected value (case-insensitive).
 Modes are paired: every mode answers the same token ids. Plain vLLM (full
 attention, prefix caching on, the prompt as one token list) runs on its own
 `vllm serve`; the chunk-cache modes run on one server per attention setting
-(isolated, system), each choosing its recomputed tokens per request with the
-`chunk_recompute` field. Per mode:
+(``joint``: the prompt as one sequence, stored chunks moved and new ones
+computed in place; ``paths``: each document on its own prefix), each
+choosing its recomputed tokens per request with the `chunk_recompute` field. Per mode:
 
 - accuracy on one-document questions with a Wilson 95% interval, and the
   paired difference against plain vLLM with its 95% interval; accuracy on
@@ -46,8 +47,7 @@ name -> `vllm serve` flags), extended from the command line without editing:
     .venv/bin/python benchmarks/chunk_quality.py [--plot docs/chunk_quality.svg]
     .venv/bin/python benchmarks/chunk_quality.py --workload reuse \
         --generator sheets --sets 20 --results /tmp/reuse_sheets.json \
-        --server inplace="--enable-chunk-cache" --mode new=inplace:default \
-        --modes plain default new
+        --mode "head 64=joint:{\"head\": 64}" --modes plain default paths "head 64"
 """
 
 from __future__ import annotations
@@ -74,52 +74,26 @@ from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
 
 SYSTEM = "Answer the question from the documents. Reply with the answer only."
 
-# Server groups: one `vllm serve` each ("plain": no chunk cache; "@FILL" is
-# replaced by the path of a fill-context file, see fill_context()).
+# Server groups: one `vllm serve` each ("plain": no chunk cache).
 SERVERS: dict[str, list[str]] = {
     "plain": [],
-    "isolated": ["--enable-chunk-cache", "--chunk-attention", "isolated"],
-    "system": ["--enable-chunk-cache", "--chunk-attention", "system"],
-    # chunks computed after the system prompt and one other document (of
-    # the kind asked, from another seed)
-    "context": ["--enable-chunk-cache", "--chunk-attention", "system",
-                "--chunk-fill-context", "@FILL"],
-}  # fmt: skip
+    "joint": ["--enable-chunk-cache"],
+    "paths": ["--enable-chunk-cache", "--chunk-attention", "paths"],
+}
 # mode: (server, the request's chunk_recompute field; None for plain vLLM,
 # "default" to send none: the server's defaults)
 MODES: dict[str, tuple[str, Any]] = {
     "plain": ("plain", None),
-    "default": ("isolated", "default"),
-    "isolated": ("isolated", "none"),
-    "system": ("system", "none"),
-    "tail 0.25": ("isolated", {"tail": 0.25}),
-    "tail 0.5": ("isolated", {"tail": 0.5}),
-    "head 8": ("isolated", {"head": 8}),
-    "head 32": ("isolated", {"head": 32}),
-    "system+head 32": ("system", {"head": 32}),
-    "select 0.25": ("isolated", {"select": 0.25}),
-    "select 0.25+head 32": ("isolated", {"select": 0.25, "head": 32}),
-    "select 0.5": ("isolated", {"select": 0.5}),
-    "tail 0.25+head 32": ("isolated", {"tail": 0.25, "head": 32}),
-    "head 64": ("isolated", {"head": 64}),
-    "tail 0.125+head 32": ("isolated", {"tail": 0.125, "head": 32}),
-    "tail 0.2+head 32": ("isolated", {"tail": 0.2, "head": 32}),
-    "tail 0.125+head 64": ("isolated", {"tail": 0.125, "head": 64}),
-    "head 128": ("isolated", {"head": 128}),
-    "system+select 0.25": ("system", {"select": 0.25}),
-    "context": ("context", "none"),
-    "context+default": ("context", "default"),
-    "context+tail 0.25+head 32": ("context", {"tail": 0.25, "head": 32}),
+    "default": ("joint", "default"),
+    # stored chunks moved, nothing recomputed (new chunks: in place)
+    "in place": ("joint", "none"),
+    "tail 0.25+head 32": ("joint", {"tail": 0.25, "head": 32}),
+    "tail 0.25": ("joint", {"tail": 0.25}),
+    "head 128": ("joint", {"head": 128}),
+    "select 0.25+head 32": ("joint", {"select": 0.25, "head": 32}),
+    # per-document answer paths in the engine (--chunk-attention paths)
+    "paths": ("paths", "default"),
 }
-
-
-def fill_context(prompts: Prompts, generator: str, path: Path) -> Path:
-    """One document of another seed (none of the benchmark's), written to
-    ``path``: the documents' kind, none of their facts (for the profiles,
-    chunk_recompute_reference's "bridge1")."""
-    subject = GENERATORS[generator](12345).group(3)[0]
-    path.write_text(prompts.document_text(subject, random.Random(7), 500))
-    return path
 
 
 class Prompts:
@@ -367,9 +341,6 @@ def main() -> None:
         if not modes:
             continue
         extra = [*flags, "--chunk-cache-device-fraction", "0.5"] if flags else []
-        if "@FILL" in extra:
-            path = fill_context(prompts, args.generator, logs / "fill")
-            extra = [str(path) if flag == "@FILL" else flag for flag in extra]
         with (
             Server(
                 args.model, *common, *extra,
