@@ -13,8 +13,9 @@ after it contain the expected value (case-insensitive).
 Modes are paired: every mode answers the same token ids. Plain vLLM (full
 attention, prefix caching on, the prompt as one token list) runs on its own
 `vllm serve`; the chunk-cache modes run on one server per attention setting
-(isolated, system), each choosing its recomputed tokens per request with the
-`chunk_recompute` field. Per mode:
+(``joint``: the prompt as one sequence, stored chunks moved and new ones
+computed in place; ``paths``: each document on its own prefix), each
+choosing its recomputed tokens per request with the `chunk_recompute` field. Per mode:
 
 - accuracy on one-document questions with a Wilson 95% interval, and the
   paired difference against plain vLLM with its 95% interval; accuracy on
@@ -25,7 +26,28 @@ attention, prefix caching on, the prompt as one token list) runs on its own
   recomputes all but the system prompt), timed to the first token, and its
   ratio to plain vLLM's on the same prompts.
 
+Two workloads (``--workload``): ``fixed`` (above: each set's documents in one
+order, first sight and warm alike) and ``reuse`` (benchmarks/reuse_workload.py:
+a pool of 8 documents a set, each first seen in one of two prompts of 4, then
+warm prompts of 4 of the pool in new combinations and orders, never after a
+neighbour a chunk was computed with; one question per document of every
+prompt). On ``reuse`` the table gives first-sight and warm accuracy apart,
+each paired against plain vLLM (the interval also clustered by prompt), and
+both TTFTs, each mode timed on a pool of 4 x ``--ttft-doc-tokens`` documents
+of its own (so its first sight is one). Two document kinds
+(``--generator``): the profiles, and data sheets of made-up products
+(benchmarks/quality_sheets.py: named once, facts by "it"/"the unit"), and
+controlled variants of both.
+
+Modes are a table (``MODES``: name -> server, ``chunk_recompute``; ``SERVERS``:
+name -> `vllm serve` flags), extended from the command line without editing:
+``--server NAME="FLAGS"`` and ``--mode NAME=SERVER:FIELD`` (FIELD: JSON, or
+``default``/``none``).
+
     .venv/bin/python benchmarks/chunk_quality.py [--plot docs/chunk_quality.svg]
+    .venv/bin/python benchmarks/chunk_quality.py --workload reuse \
+        --generator sheets --sets 20 --results /tmp/reuse_sheets.json \
+        --mode "head 64=joint:{\"head\": 64}" --modes plain default paths "head 64"
 """
 
 from __future__ import annotations
@@ -33,8 +55,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import random
+import shlex
 import statistics
 import tempfile
 import time
@@ -44,7 +66,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from quality_data import People, Person  # benchmarks/ is on sys.path when run
+import quality_report
+from reuse_workload import GENERATORS, phases, reuse_sets, ttft_pool  # on sys.path
 from transformers import AutoTokenizer
 
 from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
@@ -52,48 +75,25 @@ from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
 SYSTEM = "Answer the question from the documents. Reply with the answer only."
 
 # Server groups: one `vllm serve` each ("plain": no chunk cache).
-SERVERS = {
+SERVERS: dict[str, list[str]] = {
     "plain": [],
-    "isolated": ["--enable-chunk-cache", "--chunk-attention", "isolated"],
-    "system": ["--enable-chunk-cache", "--chunk-attention", "system"],
-    # chunks computed after the system prompt and one other profile (of
-    # people from another seed): --chunk-fill-context, FILE added in main()
-    "context": ["--enable-chunk-cache", "--chunk-attention", "system"],
+    "joint": ["--enable-chunk-cache"],
+    "paths": ["--enable-chunk-cache", "--chunk-attention", "paths"],
 }
 # mode: (server, the request's chunk_recompute field; None for plain vLLM,
 # "default" to send none: the server's defaults)
 MODES: dict[str, tuple[str, Any]] = {
     "plain": ("plain", None),
-    "default": ("isolated", "default"),
-    "isolated": ("isolated", "none"),
-    "system": ("system", "none"),
-    "tail 0.25": ("isolated", {"tail": 0.25}),
-    "tail 0.5": ("isolated", {"tail": 0.5}),
-    "head 8": ("isolated", {"head": 8}),
-    "head 32": ("isolated", {"head": 32}),
-    "system+head 32": ("system", {"head": 32}),
-    "select 0.25": ("isolated", {"select": 0.25}),
-    "select 0.25+head 32": ("isolated", {"select": 0.25, "head": 32}),
-    "select 0.5": ("isolated", {"select": 0.5}),
-    "tail 0.25+head 32": ("isolated", {"tail": 0.25, "head": 32}),
-    "head 64": ("isolated", {"head": 64}),
-    "tail 0.125+head 32": ("isolated", {"tail": 0.125, "head": 32}),
-    "tail 0.2+head 32": ("isolated", {"tail": 0.2, "head": 32}),
-    "tail 0.125+head 64": ("isolated", {"tail": 0.125, "head": 64}),
-    "head 128": ("isolated", {"head": 128}),
-    "system+select 0.25": ("system", {"select": 0.25}),
-    "context": ("context", "none"),
-    "context+default": ("context", "default"),
-    "context+tail 0.25+head 32": ("context", {"tail": 0.25, "head": 32}),
+    "default": ("joint", "default"),
+    # stored chunks moved, nothing recomputed (new chunks: in place)
+    "in place": ("joint", "none"),
+    "tail 0.25+head 32": ("joint", {"tail": 0.25, "head": 32}),
+    "tail 0.25": ("joint", {"tail": 0.25}),
+    "head 128": ("joint", {"head": 128}),
+    "select 0.25+head 32": ("joint", {"select": 0.25, "head": 32}),
+    # per-document answer paths in the engine (--chunk-attention paths)
+    "paths": ("paths", "default"),
 }
-
-
-def fill_context(prompts: Prompts, path: Path) -> Path:
-    """One profile of a person from another seed (none of the benchmark's
-    people), written to ``path``: the documents' kind, none of their facts."""
-    person = People(seed=12345).group(3)[0]  # chunk_recompute_reference's "bridge1"
-    path.write_text(prompts.document_text(person, random.Random(7), 500))
-    return path
 
 
 class Prompts:
@@ -118,31 +118,21 @@ class Prompts:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def document(self, person: Person, rng: random.Random, tokens: int) -> list[int]:
-        """``person``'s profile, about ``tokens`` tokens long."""
-        return self.encode(self.document_text(person, rng, tokens))
+    def document(self, subject: Any, rng: random.Random, tokens: int) -> list[int]:
+        """``subject``'s document (a profile, a data sheet), about ``tokens``
+        tokens long."""
+        return self.encode(self.document_text(subject, rng, tokens))
 
-    def document_text(self, person: Person, rng: random.Random, tokens: int) -> str:
+    def document_text(self, subject: Any, rng: random.Random, tokens: int) -> str:
         sentences = max(1, tokens // 14)
-        text = person.profile(rng, sentences)
+        text = subject.profile(rng, sentences)
         while len(self.encode(text + "\n\n")) < tokens * 0.95:
             sentences += 2
-            text = person.profile(rng, sentences)
+            text = subject.profile(rng, sentences)
         return text + "\n\n"
 
     def question(self, question: str, lead: str) -> list[int]:
         return self.encode(f"Question: {question}{self.tail}{lead}")
-
-
-def wilson(right: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a proportion (95% for z = 1.96)."""
-    if not total:
-        return 0.0, 1.0
-    p = right / total
-    scale = 1 + z * z / total
-    centre = (p + z * z / (2 * total)) / scale
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total**2)) / scale
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def complete(
@@ -170,36 +160,45 @@ class Item:
     segments: list[list[int]]
     expected: str
     two_hop: bool = False
+    warm: bool = False  # reuse: a question on a warm prompt
+    prompt: str = ""  # "SET.cN"/"SET.wN": its prompt (first sight, warm)
+    docs: tuple[int, ...] = ()  # reuse: the pool's documents, in order
+    asked: int = -1  # reuse: the pool document asked about
 
 
 def accuracy_items(
-    prompts: Prompts, people: People, args: argparse.Namespace
+    prompts: Prompts, people: Any, args: argparse.Namespace
 ) -> list[list[Item]]:
-    """``args.sets`` document sets of ``args.docs`` profiles, each asked
-    ``args.questions_per_set`` one-document questions and ``args.two_hop``
-    two-document ones (a best friend's town)."""
+    """``args.sets`` document sets of ``args.docs`` documents of ``people``
+    (a generator: profiles, data sheets), each asked ``args.per_set``
+    one-document questions and ``args.two_hop`` two-document ones (a best
+    friend's town; none where the documents name no one)."""
     rng = random.Random(1)
     out = []
-    for _ in range(args.sets):
+    for number in range(args.sets):
         persons = people.group(args.docs)
         head = [
             prompts.system,
             *(prompts.document(p, rng, args.doc_tokens) for p in persons),
         ]
         one = rng.sample([q for p in persons for q in p.questions()], args.per_set)
-        two = rng.sample([p.two_hop() for p in persons], args.two_hop)
+        hops = [p.two_hop() for p in persons if p.friend is not None]
+        two = rng.sample(hops, min(args.two_hop, len(hops)))
+        at = f"{number}.c0"
         out.append(
-            [Item([*head, prompts.question(q, lead)], a) for q, lead, a in one]
-            + [Item([*head, prompts.question(q, lead)], a, True) for q, lead, a in two]
-        )
+            [Item([*head, prompts.question(q, lead)], a, prompt=at)
+             for q, lead, a in one]
+            + [Item([*head, prompts.question(q, lead)], a, True, prompt=at)
+               for q, lead, a in two]
+        )  # fmt: skip
     return out
 
 
 def ttft_prompts(
-    prompts: Prompts, people: People, doc_tokens: int, warm: int
-) -> tuple[list[list[int]], list[Item]]:
-    """The cold prompt (4 profiles of about ``doc_tokens`` tokens) and
-    ``warm`` prompts with the same documents in other orders."""
+    prompts: Prompts, people: Any, doc_tokens: int, warm: int
+) -> tuple[list[Item], list[Item]]:
+    """Fixed: the cold prompt (4 documents of about ``doc_tokens`` tokens)
+    and ``warm`` prompts with the same documents in other orders."""
     rng = random.Random(2)
     persons = people.group(4)
     documents = [prompts.document(p, rng, doc_tokens) for p in persons]
@@ -209,56 +208,51 @@ def ttft_prompts(
         question, lead, answer = rng.choice(rng.choice(persons).questions())
         segments = [prompts.system, *(documents[i] for i in order)]
         items.append(Item([*segments, prompts.question(question, lead)], answer))
-    return items[0].segments, items[1:]
+    return [Item(items[0].segments, "")], items[1:]
 
 
 def run_mode(
     client: httpx.Client,
     recompute: Any,
-    sets: list[list[Item]],
-    cold: list[list[int]],
-    warm: list[Item],
+    items: list[Item],
+    timed: tuple[list[Item], list[Item]],
     concurrency: int,
-) -> tuple[list[bool], list[float]]:
-    """(right or wrong per item, in ``sets`` order; warm TTFTs)."""
+    reuse: bool,
+) -> list:
+    """[right or wrong per item, in ``items`` order; warm TTFTs], and on
+    ``reuse`` the first-sight TTFTs too."""
     chunked = recompute is not None
     right: dict[int, bool] = {}
     with ThreadPoolExecutor(concurrency) as pool:
-        items = [item for s in sets for item in s]
-        first = {id(s[0]) for s in sets}  # computes the documents: goes first
-        for phase in ([i for i in items if id(i) in first],
-                      [i for i in items if id(i) not in first]):  # fmt: skip
+        for phase in phases(items):
             texts = pool.map(
                 lambda item: complete(client, item, chunked, recompute, 8)[0], phase
             )
             for item, text in zip(phase, texts, strict=True):
                 right[id(item)] = item.expected.lower() in text.lower()
-    # The accuracy phase may have evicted the warm documents from the store:
-    # the cold prompt brings them back first, so every timed prompt is warm.
-    complete(client, Item(cold, ""), chunked, recompute, 1)
+    cold, warm = timed
+    # Fixed: the accuracy phase may have evicted the warm documents from the
+    # store: the cold prompt brings them back first, so every timed prompt is
+    # warm. Reuse: the mode's own pool, a first sight, timed.
+    cold_ttfts = [complete(client, item, chunked, recompute, 1)[1] for item in cold]
     ttfts = [complete(client, item, chunked, recompute, 1)[1] for item in warm]
-    return [right[id(item)] for item in items], ttfts
+    out = [[right[id(item)] for item in items], ttfts]
+    return [*out, cold_ttfts] if reuse else out
 
 
-def paired(mode: list[bool], plain: list[bool]) -> tuple[float, float]:
-    """Mean paired difference (mode - plain) and its 95% half-width."""
-    diffs = [int(m) - int(p) for m, p in zip(mode, plain, strict=True)]
-    mean = statistics.mean(diffs)
-    half = (
-        1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0
-    )
-    return mean, half
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/smollm2")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--sets", type=int, default=40, help="document sets")
-    parser.add_argument("--docs", type=int, default=4, help="profiles per set")
+    parser.add_argument("--modes", nargs="+", help="default: every mode")
+    parser.add_argument("--workload", choices=("fixed", "reuse"), default="fixed")
+    parser.add_argument("--generator", choices=GENERATORS, default="profiles")
+    parser.add_argument("--sets", type=int, help="document sets (40 fixed, 20 reuse)")
+    parser.add_argument("--docs", type=int, default=4, help="documents per prompt")
     parser.add_argument("--doc-tokens", type=int, default=500)
-    parser.add_argument("--per-set", type=int, default=8, help="one-document questions")
-    parser.add_argument("--two-hop", type=int, default=2, help="two-document questions")
+    parser.add_argument("--per-set", type=int, default=8, help="fixed: one-document q")
+    parser.add_argument("--two-hop", type=int, default=2, help="fixed: two-document q")
+    parser.add_argument("--pool", type=int, default=8, help="reuse: documents a set")
+    parser.add_argument("--warm-prompts", type=int, default=4, help="reuse: per set")
     parser.add_argument("--ttft-doc-tokens", type=int, default=1000)
     parser.add_argument("--warm", type=int, default=3, help="timed warm prompts")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -268,27 +262,78 @@ def main() -> None:
         "--results", help="JSON file: modes found there are not run again; "
         "each mode's answers and TTFTs are added as it ends",
     )  # fmt: skip
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar='NAME="FLAGS"',
+        help="add a server group",
+    )
+    parser.add_argument("--mode", action="append", default=[],
+                        metavar="NAME=SERVER:FIELD", help="add a mode")  # fmt: skip
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
-    settings = ServerSettings.from_args(args)
+    for spec in args.server:
+        name, _, flags = spec.partition("=")
+        SERVERS[name] = shlex.split(flags)
+    for spec in args.mode:
+        name, _, rest = spec.partition("=")
+        server, _, field = rest.partition(":")
+        if server not in SERVERS:
+            parser.error(f"--mode {spec}: no server {server!r}")
+        named = field in ("default", "none")
+        MODES[name] = (server, field if named else json.loads(field))
+    args.modes = args.modes or list(MODES)
+    if unknown := [m for m in args.modes if m not in MODES]:
+        parser.error(f"unknown modes {unknown}; known: {list(MODES)}")
+    args.sets = args.sets or (40 if args.workload == "fixed" else 20)
+    return args
 
+
+def load_results(saved: Path | None, meta: dict) -> dict[str, list]:
+    """The results kept in ``saved``, refused if a run of another workload."""
+    if saved is None or not saved.exists():
+        return {}
+    results = json.loads(saved.read_text())
+    if results.pop("_args", meta) != meta:
+        raise SystemExit(f"{saved} holds another workload's results")
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    settings = ServerSettings.from_args(args)
+    reuse = args.workload == "reuse"
     prompts = Prompts(args.model)
-    people = People(seed=0)
-    sets = accuracy_items(prompts, people, args)
-    cold, warm = ttft_prompts(prompts, people, args.ttft_doc_tokens, args.warm)
-    context = statistics.mean(sum(map(len, s[0].segments[:-1])) for s in sets)
+    people = GENERATORS[args.generator](0)
+    if reuse:
+        items = [i for s in reuse_sets(prompts, people, args, Item) for i in s.items]
+    else:
+        items = [i for s in accuracy_items(prompts, people, args) for i in s]
+        fixed_timed = ttft_prompts(prompts, people, args.ttft_doc_tokens, args.warm)
+    context = statistics.mean(sum(map(len, i.segments[:-1])) for i in items)
     print(
-        f"model {args.model}: {sum(map(len, sets))} questions over {len(sets)} sets "
-        f"of {args.docs} profiles (~{context:.0f} context tokens); TTFT on "
-        f"{len(cold)} segments, {sum(map(len, cold))} tokens, {len(warm)} warm",
+        f"model {args.model}, {args.workload} workload of {args.generator}: "
+        f"{len(items)} questions ({sum(i.warm for i in items)} warm) over "
+        f"{args.sets} sets (~{context:.0f} context tokens a prompt)",
         flush=True,
     )
     logs = Path(tempfile.mkdtemp())
     common = ["--max-model-len", "8192", "--max-num-batched-tokens", "8192"]
     saved = Path(args.results) if args.results else None
-    results: dict[str, tuple[list[bool], list[float]]] = {}
-    if saved is not None and saved.exists():
-        results = {m: tuple(r) for m, r in json.loads(saved.read_text()).items()}
+    meta = {
+        k: getattr(args, k)
+        for k in (
+            "workload",
+            "generator",
+            "sets",
+            "docs",
+            "doc_tokens",
+            "pool",
+            "warm_prompts",
+        )
+    }
+    results = load_results(saved, meta)
     for server_name, flags in SERVERS.items():
         modes = [
             m for m in args.modes if MODES[m][0] == server_name and m not in results
@@ -296,8 +341,6 @@ def main() -> None:
         if not modes:
             continue
         extra = [*flags, "--chunk-cache-device-fraction", "0.5"] if flags else []
-        if server_name == "context":
-            extra += ["--chunk-fill-context", str(fill_context(prompts, logs / "ctx"))]
         with (
             Server(
                 args.model, *common, *extra,
@@ -308,62 +351,34 @@ def main() -> None:
         ):  # fmt: skip
             for mode in modes:
                 started = time.perf_counter()
+                timed = (
+                    ttft_pool(prompts, GENERATORS[args.generator], mode, args, Item)
+                    if reuse
+                    else fixed_timed
+                )
                 results[mode] = run_mode(
-                    client, MODES[mode][1], sets, cold, warm, args.concurrency
+                    client, MODES[mode][1], items, timed, args.concurrency, reuse
                 )
                 if saved is not None:
-                    saved.write_text(json.dumps(results))
-                right, ttfts = results[mode]
+                    saved.write_text(json.dumps({"_args": meta, **results}))
+                right, ttfts, *cold = results[mode]
                 print(
                     f"{mode}: {sum(right)}/{len(right)} right "
                     f"({time.perf_counter() - started:.0f} s), warm TTFT "
-                    f"{[round(t * 1e3) for t in ttfts]} ms",
+                    f"{[round(t * 1e3) for t in ttfts]} ms"
+                    + (f", first sight {[round(t * 1e3) for t in cold[0]]} ms"
+                       if cold else ""),
                     flush=True,
-                )
+                )  # fmt: skip
     chosen = {m: results[m] for m in args.modes if m in results}
-    report(chosen, [item.two_hop for s in sets for item in s], args.plot)
-
-
-def report(
-    results: dict[str, tuple[list[bool], list[float]]],
-    two_hop: list[bool],
-    plot: str | None,
-) -> None:
-    """The trade-off table (and plot): accuracy, paired difference against
-    plain vLLM with its 95% interval, warm TTFT and its ratio to plain's."""
-    plain = results.get("plain")
-    plain_ttft = statistics.median(plain[1]) if plain else 0.0
-    print(
-        "\n| mode | accuracy, one document (Wilson 95%) | vs full attention "
-        "(paired, 95%) | two documents | warm TTFT p50 | plain / mode |"
-    )
-    print("|---|---|---|---|---|---|")
-    points = {}
-    for mode, (right, ttfts) in results.items():
-        one = [r for r, two in zip(right, two_hop, strict=True) if not two]
-        two = [r for r, two in zip(right, two_hop, strict=True) if two]
-        low, high = wilson(sum(one), len(one))
-        diff = "-"
-        if plain and mode != "plain":
-            plain_one = [r for r, t in zip(plain[0], two_hop, strict=True) if not t]
-            mean, half = paired(one, plain_one)
-            diff = f"{mean:+.1%} ± {half:.1%}"
-        ttft = statistics.median(ttfts)
-        ratio = plain_ttft / ttft if plain_ttft else 0.0
-        print(
-            f"| {mode} | {sum(one) / len(one):.1%} ({sum(one)}/{len(one)}, "
-            f"{low:.1%}-{high:.1%}) | {diff} | "
-            f"{sum(two) / max(len(two), 1):.1%} ({sum(two)}/{len(two)}) | "
-            f"{ttft * 1e3:.0f} ms | {ratio:.2f}x |"
+    if reuse:
+        points = quality_report.reuse_table(
+            chosen, [i.warm for i in items], [i.prompt for i in items]
         )
-        points[mode] = [(max(ratio, 1e-3), max(sum(one) / len(one), 1e-3))]
-    if plot:
-        from svg_plot import line_chart  # benchmarks/ is on sys.path when run
-
-        line_chart(
-            points, plot, "Chunk cache: answers against speed",
-            "warm TTFT, plain vLLM / mode", "accuracy (one document)",
-        )  # fmt: skip
+    else:
+        points = quality_report.fixed_table(chosen, [i.two_hop for i in items])
+    if args.plot:
+        quality_report.plot(points, args.plot, "warm" if reuse else "one document")
 
 
 if __name__ == "__main__":

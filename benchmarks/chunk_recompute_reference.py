@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from chunk_quality import Prompts, accuracy_items  # benchmarks/ is on sys.path
 from quality_data import People
+from reuse_workload import GENERATORS
 from transformers import AutoModelForCausalLM, DynamicCache
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, T, D]
@@ -114,6 +115,7 @@ def forward(model, ids: list[int], start: int, cache=None, mask=None) -> Dynamic
         attention_mask=mask,
         past_key_values=cache,
         use_cache=True,
+        logits_to_keep=1,  # only the last position's are read
     )
     return cache
 
@@ -174,6 +176,7 @@ def recompute(model, prompt: Prompt, base: KV, positions: list[int]) -> KV:
         attention_mask=mask[None, None],
         past_key_values=cache,
         use_cache=True,
+        logits_to_keep=1,  # only the last position's are read
     )
     order = torch.argsort(torch.cat([kept, chosen]))
     return [(k[:, :, order], v[:, :, order]) for k, v in kv_of(cache)]
@@ -191,6 +194,7 @@ def answer(model, tokenizer, kv: KV, at: int, question: list[int]) -> str:
             position_ids=torch.arange(at, at + len(feed))[None],
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,  # only the last position's are read
         ).logits[0, -1]
         at += len(feed)
         feed = [int(logits.argmax())]
@@ -347,18 +351,28 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=12)
     parser.add_argument("--modes", nargs="+", default=["full", "isolated"])
     parser.add_argument("--results", help="JSON: answers kept, runs resumed")
+    parser.add_argument(
+        "--generator",
+        choices=GENERATORS,
+        default="profiles",
+        help="the documents (reuse_workload.py's kinds)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the documents' seed")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     prompts = Prompts(args.model)
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
-    # chunk_quality.py's sets (its defaults), one-document questions only
+    # chunk_quality.py's sets (its defaults: profiles, seed 0), one-document
+    # questions only
     options = argparse.Namespace(sets=args.sets, docs=4, doc_tokens=500, per_set=8,
                                  two_hop=2)  # fmt: skip
     sets = [
         [item for item in items if not item.two_hop]
-        for items in accuracy_items(prompts, People(seed=0), options)
+        for items in accuracy_items(
+            prompts, GENERATORS[args.generator](args.seed), options
+        )
     ]
     saved = Path(args.results) if args.results else None
     results = json.loads(saved.read_text()) if saved and saved.exists() else {}
