@@ -82,3 +82,7 @@ def test_paths_per_request_and_where_they_do_not_apply(model_dir: str) -> None:
         assert out.outputs[0].token_ids
         generate(llm, [SYSTEM, DOC_A, QUESTION], attention="paths")
         assert voting.num_decided == 1  # one document: nothing to choose
+        # A question of several blocks: its scoring requests cache none.
+        long_question = list(range(600, 680))
+        out = generate(llm, [SYSTEM, DOC_A, DOC_B, long_question], attention="paths")
+        assert voting.num_decided == 2 and out.outputs[0].token_ids

@@ -39,16 +39,19 @@ def test_the_score_sums_the_question_after_its_first_token(cached_rows: int) -> 
     assert score == -3.0
 
 
-def test_the_prefix_hasher_stops_at_the_last_full_block() -> None:
+def test_the_prefix_hasher_hashes_past_the_prefix_at_random() -> None:
     class Request:
-        block_hashes: list[int] = []
+        block_hashes: list[bytes] = []
 
-    hashes = list(range(10))
-    hasher = prefix_hasher(lambda request: hashes, 4, 9)  # 2 full blocks
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    hasher = prefix_hasher(lambda request: hashes[len(request.block_hashes) :], 4, 9)
     request = Request()
-    assert hasher(request) == [0, 1]
-    request.block_hashes = [0, 1]
-    assert hasher(request) == []
+    first = hasher(request)
+    assert first[:2] == hashes[:2]  # 2 full blocks of the prefix
+    assert len(first) == 4 and hashes[2] not in first and hashes[3] not in first
+    assert first[2:] != hasher(request)[2:]  # never the same twice
+    request.block_hashes = hashes[:3]
+    assert len(hasher(request)) == 1 and hasher(request) != hashes[3:]
 
 
 def test_a_ballot_is_decided_once_every_path_is_scored() -> None:

@@ -15,8 +15,8 @@ How, in the engine core (:class:`Ballots`, driven by the feature):
 
 1. On arrival, one *scoring* request per document, internal, one token:
    its prompt is the path, with prompt log-probs. It reads the prefix cache
-   for ``system + doc_i`` but its block hashes stop at the document, so the
-   question's rows are always computed, never found cached.
+   for ``system + doc_i``, but its blocks past the document hash at random,
+   so the question's rows are always computed, never found cached.
 2. The chunked request waits out of the queue (parked for each schedule)
    until every score is in; then its prompt becomes the winning path and it
    runs as an ordinary request, its prefix found in the cache the winning
@@ -28,6 +28,7 @@ How, in the engine core (:class:`Ballots`, driven by the feature):
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,16 +90,24 @@ def question_score(logprobs: Any, num_tokens: int, prefix: int) -> float:
 def prefix_hasher(
     hasher: Callable[[Request], list[Any]], block_size: int, prefix: int
 ) -> Callable[[Request], list[Any]]:
-    """``hasher`` that stops at the last full block of ``prefix`` tokens:
-    a scoring request finds at most its path's prefix cached, and caches no
-    block of its question."""
+    """``hasher`` whose hashes past the last full block of ``prefix`` tokens
+    are random: a scoring request finds at most its path's prefix cached,
+    and no request ever finds one of its question's blocks (vLLM caches
+    every full block a request computes, so each needs a hash)."""
     num_blocks = prefix // block_size
 
     def hash_prefix(request: Request) -> list[Any]:
-        room = num_blocks - len(request.block_hashes)
-        return hasher(request)[: max(room, 0)] if room > 0 else []
+        start = len(request.block_hashes)
+        return [
+            block_hash if start + i < num_blocks else _unmatched(block_hash)
+            for i, block_hash in enumerate(hasher(request))
+        ]
 
     return hash_prefix
+
+
+def _unmatched(block_hash: bytes) -> bytes:
+    return secrets.token_bytes(len(block_hash))
 
 
 @dataclass(slots=True)

@@ -56,7 +56,7 @@ class Voting:
                     request_id=scoring_id,
                     prompt_token_ids=path.tokens,
                     # The question's log-probs, from rows the prefix cache
-                    # cannot hold (the hasher stops at the document).
+                    # cannot hold (past the document, blocks hash at random).
                     sampling_params=SamplingParams(
                         max_tokens=1,
                         temperature=0.0,
