@@ -344,3 +344,31 @@ def test_a_chat_without_chunk_messages_is_plain_vllms(servers) -> None:
     )
     assert got == want
     assert chunk_lookups(chunked) == lookups  # the store never saw it
+
+
+def test_answer_paths_over_http_are_order_free_and_a_path_of_plain_vllm(
+    servers, tokenizer
+) -> None:
+    """``chunk_attention: "paths"`` (per request, on completions and chat):
+    the answer is plain vLLM's on one document's path, whatever the order,
+    and a reorder finds that path's prefix cached."""
+    plain, chunked = servers
+    system, question, *docs = (
+        tokenizer.encode(text, add_special_tokens=False)
+        for text in (SYSTEM, " Which topic is fact 1 about?", *DOCS)
+    )
+    paths = [
+        complete(plain, prompt=system + doc + question).json()["choices"][0]["text"]
+        for doc in docs
+    ]
+    body = {"chunk_attention": "paths"}
+    first = complete(chunked, chunks=[system, *docs, question], **body).json()
+    reordered = complete(
+        chunked, chunks=[system, *reversed(docs), question], **body
+    ).json()
+    assert first["choices"][0]["text"] == reordered["choices"][0]["text"]
+    assert first["choices"][0]["text"] in paths
+    assert cached(reordered) >= BLOCK_SIZE
+    messages = [{"role": "user", "content": text} for text in [*DOCS, "Which?"]]
+    by_chat = chat(chunked, messages=messages, chunk_messages=True, **body)
+    assert by_chat["choices"][0]["message"]["content"] is not None

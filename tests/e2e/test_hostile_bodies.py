@@ -172,6 +172,8 @@ BODIES: list[tuple[str, str, dict[str, Any]]] = [
      base(prompt=None, chunks=["a", "b"], chunk_recompute={"head": -1})),
     ("chunks: recompute select over 1", "/v1/completions",
      base(prompt=None, chunks=["a", "b"], chunk_recompute={"select": 2})),
+    ("chunks: attention unknown", "/v1/completions",
+     base(prompt=None, chunks=["a", "b"], chunk_attention="isolated")),
     ("separator: empty segment", "/v1/completions", base(prompt="a####b")),
     ("separator: only", "/v1/completions", base(prompt="##")),
     ("suffix ids huge", "/v1/completions",

@@ -21,6 +21,8 @@ from tests.integration.chunks import (
     generate,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
+from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
+from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
 DOCS = (DOC_A, DOC_B, DOC_C)
 
@@ -86,3 +88,35 @@ def test_paths_per_request_and_where_they_do_not_apply(model_dir: str) -> None:
         long_question = list(range(600, 680))
         out = generate(llm, [SYSTEM, DOC_A, DOC_B, long_question], attention="paths")
         assert voting.num_decided == 2 and out.outputs[0].token_ids
+
+
+def test_a_continuation_of_a_paths_request_runs_jointly(model_dir: str) -> None:
+    """A child of a parent answered on a path continues the prompt its
+    client sent (the parent's chunks, its output, the suffix), jointly: its
+    documents are new to the store, so it answers as plain vLLM on those
+    tokens, inheriting the parent's blocks only where they agree."""
+    with chunk_cache_llm(
+        model_dir, chunk_attention="paths", enable_continuation=True
+    ) as llm:
+        free = num_free_blocks(llm)
+        voting = scheduler_of(llm).feature("chunk_cache").voting
+        token_ids, lengths = chunked_prompt([SYSTEM, DOC_A, DOC_B, QUESTION])
+        params = SamplingParams(
+            max_tokens=5, temperature=0.0, ignore_eos=True,
+            extra_args={**seal({CHUNKS: lengths}), "retain_kv": True},
+        )  # fmt: skip
+        (parent,) = llm.generate([{"prompt_token_ids": token_ids}], params)
+        assert voting.num_decided == 1
+        suffix = [11, 12, 13]
+        child = llm.generate_continuation(
+            parent.request_id,
+            suffix,
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )
+        assert voting.num_decided == 1  # the child ran jointly
+        prompt = token_ids + list(parent.outputs[0].token_ids) + suffix
+        llm.reset_prefix_cache()  # releases the retained parent
+        assert list(child.outputs[0].token_ids) == _answer(llm, prompt)[:4]
+        assert child.num_cached_tokens >= len(SYSTEM) // 32 * 32
+        llm.reset_prefix_cache()
+        assert num_free_blocks(llm) == free

@@ -22,6 +22,7 @@ def test_one_path_per_document_none_for_one_document() -> None:
     paths = paths_of(prompt, [2, 3, 2])
     assert [p.tokens for p in paths] == [[1, 2, 10, 11, 12, 7, 8], [1, 2, 20, 21, 7, 8]]
     assert [p.prefix for p in paths] == [5, 4]
+    assert [p.lengths for p in paths] == [[2, 3], [2, 2]]
     assert paths_of(prompt, [2, 5]) == []
 
 
@@ -60,7 +61,7 @@ def test_a_ballot_is_decided_once_every_path_is_scored() -> None:
     class Request:
         request_id = "r"
 
-    paths = {"s0": Path([1, 2, 3], 1), "s1": Path([4, 5, 6], 1)}
+    paths = {"s0": Path([1, 2, 3], 0, 1), "s1": Path([4, 5, 6], 0, 1)}
     ballots.open(Request(), paths)  # type: ignore[arg-type]
     assert ballots.score("s0", _logprobs([-1.0, -1.0])) is None
     ballot = ballots.score("s1", _logprobs([-1.0, -0.5]))

@@ -40,6 +40,7 @@ from vllm_kvreuse.chunk_cache.recompute import (
 from vllm_kvreuse.chunk_cache.voting import Voting
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.feature import Feature
+from vllm_kvreuse.core.request_keys import BEAM, PARENT
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -198,8 +199,13 @@ def _attention_of(request: Request, default: str) -> str:
 
 def _may_take_paths(request: Request) -> bool:
     """Paths change the prompt the engine runs: not for a request whose
-    client reads prompt log-probs (they would be the path's)."""
-    return request.sampling_params.prompt_logprobs is None
+    client reads prompt log-probs (they would be the path's), nor for a
+    continuation (it inherits blocks of its parent's prompt) or a beam
+    search (its members fork the prompt it arrived with)."""
+    params = request.sampling_params
+    extra_args = params.extra_args or {}
+    claimed = PARENT in extra_args or BEAM in extra_args
+    return params.prompt_logprobs is None and not claimed
 
 
 def _recompute_of(request: Request) -> Recompute | None:

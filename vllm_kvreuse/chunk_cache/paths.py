@@ -51,11 +51,18 @@ def parse_attention(value: Any) -> str:
 
 @dataclass(slots=True)
 class Path:
-    """``system + document + question``; ``prefix`` = len(system + document)."""
+    """``system + document + question``: ``system`` and ``prefix`` (system
+    prompt + document) are token counts."""
 
     tokens: list[int]
+    system: int
     prefix: int
     score: float | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        """The path's chunk lengths: the system prompt, the document."""
+        return [self.system, self.prefix - self.system]
 
 
 def paths_of(prompt: list[int], lengths: list[int]) -> list[Path]:
@@ -68,7 +75,7 @@ def paths_of(prompt: list[int], lengths: list[int]) -> list[Path]:
     paths, start = [], system
     for length in lengths[1:]:
         tokens = [*prompt[:system], *prompt[start : start + length], *question]
-        paths.append(Path(tokens, system + length))
+        paths.append(Path(tokens, system, system + length))
         start += length
     return paths
 

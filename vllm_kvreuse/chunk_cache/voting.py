@@ -14,6 +14,7 @@ decided, when it finishes, or when a scoring request ends without a score
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.paths import Ballot, Ballots, Path, prefix_hasher
+from vllm_kvreuse.core.request_keys import CHUNKS
 
 if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreOutput
@@ -116,6 +118,11 @@ class Voting:
         request = ballot.request
         self.ballots.close(request.request_id)
         winner = ballot.winner()
+        # From here the request is the chunked request of its path (a
+        # continuation of it reads these lengths); its own copy of the
+        # params, as n > 1 siblings may share one.
+        params = copy.copy(request.sampling_params)
+        params.extra_args = {**(params.extra_args or {}), CHUNKS: winner.lengths}
         # Waiting, never scheduled: no block, nothing computed.
-        self.core.upstream.retoken(request, winner.tokens, 0, [], None)
+        self.core.upstream.retoken(request, winner.tokens, 0, [], params)
         self.num_decided += 1
