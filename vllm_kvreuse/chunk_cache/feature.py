@@ -38,7 +38,6 @@ from vllm_kvreuse.chunk_cache.recompute import (
     parse_recompute,
 )
 from vllm_kvreuse.chunk_cache.voting import Voting
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.core.request_keys import BEAM, PARENT
 
@@ -70,8 +69,7 @@ class ChunkCache(Feature):
         # New segmented requests: upstream counts only their first load
         # region as cached at first schedule; after_schedule counts the rest.
         self._uncounted: set[str] = set()
-        settings = KVReuseConfig.from_vllm_config(core.scheduler.vllm_config)
-        self.attention = settings.chunk_attention
+        self.attention: str = core.config.chunk_attention
         self.voting = Voting(core, self)
 
     # -- requests --------------------------------------------------------------
@@ -85,7 +83,7 @@ class ChunkCache(Feature):
             if answer_paths and _may_take_paths(request):
                 self.voting.start(request, answer_paths)
                 return
-        self._plan(request)
+        self._plan(request, lengths)
 
     def on_preempt(self, request: Request) -> None:
         """A preempted chunked request is planned again: what it saved is
@@ -175,10 +173,10 @@ class ChunkCache(Feature):
             if self.side.advance(request):
                 self.core.resends.resend(request_id)
 
-    def _plan(self, request: Request) -> None:
+    def _plan(self, request: Request, lengths: list[int] | None = None) -> None:
         """Plans a chunked request (it holds no block now) and re-hashes its
         blocks under the salt naming their values."""
-        lengths = chunk_lengths(request, request.num_prompt_tokens)
+        lengths = lengths or chunk_lengths(request, request.num_prompt_tokens)
         if lengths is None:
             return
         plan = self.side.plan(request, lengths, _recompute_of(request))

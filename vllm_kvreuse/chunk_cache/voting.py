@@ -80,12 +80,9 @@ class Voting:
 
     def park(self) -> None:
         """Takes waiting ballots' requests out of the queue for a schedule."""
-        self._parked = [
-            request
-            for request in self.ballots.waiting()
-            if request.status == RequestStatus.WAITING
-        ]
-        self.core.upstream.park(self._parked)
+        self._parked = self.core.upstream.park(
+            [r for r in self.ballots.waiting() if r.status == RequestStatus.WAITING]
+        )
 
     def unpark(self) -> None:
         self.core.upstream.unpark(self._parked)

@@ -255,15 +255,21 @@ class Upstream:
         for request in requests:
             scheduler._preempt_request(request, now)
 
-    def park(self, requests: list[Request]) -> None:
-        """Takes waiting ``requests`` out of the queue for one ``schedule()``."""
-        if requests:
-            self._scheduler.waiting.remove_requests(requests)
+    def park(self, requests: list[Request]) -> list[Request]:
+        """Takes those of ``requests`` that are in the waiting queue out of it
+        for one ``schedule()``; returns them (the ones to :meth:`unpark`)."""
+        waiting = self._scheduler.waiting
+        present = [request for request in requests if request in waiting]
+        if present:
+            waiting.remove_requests(present)
+        return present
 
     def unpark(self, requests: list[Request]) -> None:
-        """Puts parked requests back at the head of the queue, in their order."""
-        if requests:
-            self._scheduler.waiting.prepend_requests(reversed(requests))
+        """Puts parked requests back at the head of the queue, in their order;
+        one finished meanwhile stays out (it left the queue for good)."""
+        back = [request for request in requests if not request.is_finished()]
+        if back:
+            self._scheduler.waiting.prepend_requests(reversed(back))
 
     # -- the step's output ---------------------------------------------------------
 

@@ -39,8 +39,9 @@ class Gate:
         self.parked: list[Request] = []
 
     def park(self, groups: GroupTable) -> None:
-        self.parked = steps_that_do_not_fit(self._upstream, groups, groups.get)
-        self._upstream.park(self.parked)
+        self.parked = self._upstream.park(
+            steps_that_do_not_fit(self._upstream, groups, groups.get)
+        )
 
     def unpark(self) -> None:
         """Back at the head, in their order."""
