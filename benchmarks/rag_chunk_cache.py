@@ -16,7 +16,8 @@ Phases, each timed to the first token (max_tokens 1, non-streaming):
   is computed. It is the reuse limit the chunk cache's warm TTFT is
   compared with (``warm / prefix hit``).
 
-Prints TTFT median and p99 per phase and server, the ratio plain / chunk
+Both servers start together (:mod:`vllm_kvreuse.testing.server_group`).
+Prints TTFT median and p90 per phase and server, the ratio plain / chunk
 cache, and for the chunk server two rates that answer different questions:
 - chunk hit rate: chunks found in the chunk store / chunks looked up in the
   phase (the store's ``vllm_kvreuse:chunk_cache_{hits,misses}`` counters);
@@ -43,7 +44,8 @@ from typing import Any
 
 import httpx
 
-from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
+from vllm_kvreuse.testing.server import SERVED_MODEL, ServerSettings, metric
+from vllm_kvreuse.testing.server_group import ServerSpec, StartTimes, start_servers
 
 SYSTEMS = [f"System {n}: answer briefly from the documents. " * 4 for n in range(3)]
 
@@ -124,17 +126,125 @@ def rerotate_copy_ms_per_1k(model: str, repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def chunk_lookups(server: Server) -> tuple[float, float]:
+def chunk_lookups(url: str) -> tuple[float, float]:
     """The chunk store's (hits, misses) counters so far."""
     return (
-        server.metric("vllm_kvreuse:chunk_cache_hits_total"),
-        server.metric("vllm_kvreuse:chunk_cache_misses_total"),
+        metric(url, "vllm_kvreuse:chunk_cache_hits_total"),
+        metric(url, "vllm_kvreuse:chunk_cache_misses_total"),
     )
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def phase_prompts(args: argparse.Namespace) -> dict[str, list[list[str]]]:
+    """Each phase's prompts as segments (system prompt, documents, question):
+    cold (every document new), warm (every document seen, in new orders and
+    company), mixed (half and half). ``args``: docs_per_prompt, doc_words,
+    requests."""
+    rng = random.Random(0)
+    k = args.docs_per_prompt
+    pool = [document(n, args.doc_words) for n in range(2 * args.requests * k + k)]
+    fresh = iter(range(len(pool)))
+    seen: list[int] = []
+
+    def prompt_set(new_per_prompt: int) -> list[list[str]]:
+        out = []
+        for i in range(args.requests):
+            docs = [next(fresh) for _ in range(new_per_prompt)]
+            docs += rng.sample(seen, k - new_per_prompt) if k > new_per_prompt else []
+            rng.shuffle(docs)
+            seen.extend(docs[:new_per_prompt])
+            out.append([rng.choice(SYSTEMS), *(pool[d] for d in docs), question(i)])
+        return out
+
+    phases = {"cold": prompt_set(k)}
+    phases["warm"] = prompt_set(0)
+    phases["mixed"] = prompt_set(k // 2)
+    return phases
+
+
+def stored_documents(args: argparse.Namespace) -> int:
+    """How many documents a run stores (the chunk store should hold them)."""
+    k = args.docs_per_prompt
+    return args.requests * (k + k // 2)
+
+
+def row(name: str, plain: list[float], chunk: list[float], **rates: float) -> dict:
+    """One table row: TTFT p50 and p90 of both servers (seconds) and rates."""
+    p50 = statistics.median(plain) if plain else float("nan")
+    c50 = statistics.median(chunk)
+    return {
+        "phase": name,
+        "plain p50": p50,
+        "plain p90": percentile(plain, 0.9) if plain else float("nan"),
+        "chunk p50": c50,
+        "chunk p90": percentile(chunk, 0.9),
+        "ratio": p50 / c50,
+        **rates,
+    }
+
+
+def measure(
+    plain_url: str,
+    chunk_url: str,
+    phases: dict[str, list[list[str]]],
+    args: argparse.Namespace,
+) -> list[dict]:
+    """The phases on both servers (plain vLLM gets each prompt as one text),
+    then the warm prompts with each ``args.warm_recompute`` value, then the
+    warm prompts again on plain vLLM (a full prefix hit). Rows of
+    :func:`row`, printed by :func:`markdown`."""
+    run_phase(plain_url, ["warm up the server now?"], 1)  # not in any phase
+    run_phase(chunk_url, [["warm up", "the server", "now?"]], 1)
+    rows = []
+    for name, segment_lists in phases.items():
+        plain = run_phase(
+            plain_url, ["".join(s) for s in segment_lists], args.concurrency
+        )
+        looked_up = chunk_lookups(chunk_url)
+        chunk = run_phase(chunk_url, segment_lists, args.concurrency)
+        after = chunk_lookups(chunk_url)
+        hits, misses = (b - a for a, b in zip(looked_up, after, strict=True))
+        cached = sum(r[2] for r in chunk) / sum(r[1] for r in chunk)
+        rows.append(
+            row(name, [r[0] for r in plain], [r[0] for r in chunk],
+                hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+                cached_share=cached)
+        )  # fmt: skip
+    plain_warm = [rows[1]["plain p50"]]
+    for value in map(json.loads, args.warm_recompute):
+        times = run_phase(chunk_url, phases["warm"], args.concurrency, value)
+        name = f"warm, chunk_recompute={json.dumps(value)}"
+        rows.append(row(name, plain_warm, [r[0] for r in times]))
+    # The reuse limit: the warm prompts again, as one text, on plain vLLM.
+    repeat = run_phase(
+        plain_url, ["".join(s) for s in phases["warm"]], args.concurrency
+    )
+    hit_share = sum(r[2] for r in repeat) / sum(r[1] for r in repeat)
+    name = "warm, plain again (a full prefix hit; in the chunk columns)"
+    rows.append(row(name, plain_warm, [r[0] for r in repeat], cached_share=hit_share))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table (times in ms; ratio = plain / chunk p50)."""
+    lines = [
+        "| phase | plain TTFT p50 | plain p90 | chunk TTFT p50 | chunk p90 "
+        "| plain / chunk (p50) | chunk hit rate | cached share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ms = [f"{r[k] * 1e3:.0f} ms" for k in ("plain p50", "plain p90")]
+        ms += [f"{r[k] * 1e3:.0f} ms" for k in ("chunk p50", "chunk p90")]
+        rates = [f"{r[k]:.2f}" if k in r else "" for k in ("hit_rate", "cached_share")]
+        lines.append(
+            f"| {r['phase']} | {' | '.join(ms)} | {r['ratio']:.2f}x | "
+            + " | ".join(rates) + " |"
+        )  # fmt: skip
+    return "\n".join(lines).replace("nan ms", "")
 
 
 def main() -> None:
@@ -153,113 +263,36 @@ def main() -> None:
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
     settings = ServerSettings.from_args(args)
-
-    rng = random.Random(0)
-    k = args.docs_per_prompt
-    pool = [document(n, args.doc_words) for n in range(2 * args.requests * k + k)]
-    fresh = iter(range(len(pool)))
-    seen: list[int] = []
-
-    def prompt_set(new_per_prompt: int) -> list[tuple[str, list[str]]]:
-        out = []
-        for i in range(args.requests):
-            docs = [next(fresh) for _ in range(new_per_prompt)]
-            docs += rng.sample(seen, k - new_per_prompt) if k > new_per_prompt else []
-            rng.shuffle(docs)
-            seen.extend(docs[:new_per_prompt])
-            segments = [rng.choice(SYSTEMS), *(pool[d] for d in docs), question(i)]
-            out.append(segments)
-        return out
-
-    phases = {"cold": prompt_set(k)}
-    phases["warm"] = prompt_set(0)
-    phases["mixed"] = prompt_set(k // 2)
-
-    logs = Path(tempfile.mkdtemp())
+    phases = phase_prompts(args)
     common = ["--max-model-len", str(args.max_model_len)]
     common += ["--max-num-batched-tokens", str(args.max_model_len)]
-    with (
-        Server(
-            args.model, *common, log_path=logs / "plain.log", settings=settings
-        ) as plain,
-        Server(
-            args.model,
-            *common,
-            "--enable-chunk-cache",
-            log_path=logs / "chunk.log",
-            settings=settings,
-        ) as chunked,
-    ):
-        # warm-up, not in any phase
-        run_phase(plain.url, ["warm up the server now?"], 1)
-        run_phase(chunked.url, [["warm up", "the server", "now?"]], 1)
+    specs = [
+        ServerSpec("plain", args.model, common, settings=settings,
+                   compile_group="model"),
+        ServerSpec("chunk", args.model, [*common, "--enable-chunk-cache"],
+                   settings=settings, compile_group="model"),
+    ]  # fmt: skip
+    logs = Path(tempfile.mkdtemp())
+    times = StartTimes()
+    servers = start_servers(specs, logs, args.ready_timeout, times=times)
+    try:
         print(
-            f"model {args.model}, {k} documents of ~{args.doc_words} words, "
-            f"{args.requests} requests per phase, concurrency {args.concurrency}"
+            f"model {args.model}, {args.docs_per_prompt} documents of "
+            f"~{args.doc_words} words, {args.requests} requests per phase, "
+            f"concurrency {args.concurrency}; servers: {times.summary()}"
         )
-        print(
-            "| phase | plain TTFT p50 | plain p99 | chunk TTFT p50 | chunk p99 "
-            "| p50 ratio | chunk hit rate | cached share |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        cold_prefill_ms_per_1k = 0.0
-        warm_chunk_p50 = plain_warm = 0.0
-        for name, segment_lists in phases.items():
-            plain_results = run_phase(
-                plain.url, ["".join(s) for s in segment_lists], args.concurrency
-            )
-            looked_up = chunk_lookups(chunked)
-            chunk_results = run_phase(chunked.url, segment_lists, args.concurrency)
-            after = chunk_lookups(chunked)
-            hits, misses = (b - a for a, b in zip(looked_up, after, strict=True))
-            p_times = [r[0] for r in plain_results]
-            c_times = [r[0] for r in chunk_results]
-            cached = sum(r[2] for r in chunk_results) / sum(r[1] for r in chunk_results)
-            chunk_hit_rate = hits / (hits + misses) if hits + misses else 0.0
-            if name == "cold":
-                cold_prefill_ms_per_1k = statistics.median(
-                    r[0] * 1e3 / r[1] * 1024 for r in plain_results
-                )
-            if name == "warm":
-                warm_chunk_p50 = statistics.median(c_times)
-                plain_warm = statistics.median(p_times)
-            print(
-                f"| {name} | {statistics.median(p_times) * 1e3:.0f} ms "
-                f"| {percentile(p_times, 0.99) * 1e3:.0f} ms "
-                f"| {statistics.median(c_times) * 1e3:.0f} ms "
-                f"| {percentile(c_times, 0.99) * 1e3:.0f} ms "
-                f"| {statistics.median(p_times) / statistics.median(c_times):.2f}x "
-                f"| {chunk_hit_rate:.2f} | {cached:.2f} |"
-            )
-        for value in map(json.loads, args.warm_recompute):
-            times = [
-                r[0]
-                for r in run_phase(chunked.url, phases["warm"], args.concurrency, value)
-            ]
-            print(
-                f"| warm, chunk_recompute={json.dumps(value)} | "
-                f"{plain_warm * 1e3:.0f} ms | | {statistics.median(times) * 1e3:.0f}"
-                f" ms | {percentile(times, 0.99) * 1e3:.0f} ms | "
-                f"{plain_warm / statistics.median(times):.2f}x | | |"
-            )
-        # The reuse limit: the warm prompts again, as one text, on plain vLLM.
-        repeat = run_phase(
-            plain.url, ["".join(s) for s in phases["warm"]], args.concurrency
-        )
-        hit_times = [r[0] for r in repeat]
-        hit_share = sum(r[2] for r in repeat) / sum(r[1] for r in repeat)
-        print(
-            f"\nfull prefix hit (plain, warm prompts again): TTFT p50 "
-            f"{statistics.median(hit_times) * 1e3:.0f} ms, p99 "
-            f"{percentile(hit_times, 0.99) * 1e3:.0f} ms, cached share "
-            f"{hit_share:.2f}; chunk warm / prefix hit: "
-            f"{warm_chunk_p50 / statistics.median(hit_times):.2f}x"
-        )
+        rows = measure(servers["plain"].url, servers["chunk"].url, phases, args)
+    finally:
+        for server in servers.values():
+            server.close()
+    print(markdown(rows))
+    limit = rows[1]["chunk p50"] / rows[-1]["chunk p50"]
+    print(f"\nchunk warm / full prefix hit: {limit:.2f}x")
+    cold = rows[0]
     rerotate = rerotate_copy_ms_per_1k(args.model)
     print(
         f"re-rotation + copy: {rerotate:.1f} ms per 1K tokens (all layers); "
-        f"plain cold prefill: {cold_prefill_ms_per_1k:.0f} ms per 1K tokens "
-        f"({rerotate / cold_prefill_ms_per_1k:.1%} of it)"
+        f"plain cold TTFT p50: {cold['plain p50'] * 1e3:.0f} ms"
     )
 
 

@@ -107,11 +107,25 @@ def all_ops(args, layers: list[PagedKV], rope: Rope) -> dict[str, DeviceOps]:
         from vllm_kvreuse.device.triton_ops import TritonOps
 
         ops["triton"] = TritonOps(layers, rope)
+        for tile, warps in triton_variants(args):
+            variant = TritonOps(layers, rope)
+            variant.TILE, variant.NUM_WARPS = tile, warps
+            ops[f"triton {tile}/{warps}"] = variant
     if args.backend == "ASCEND":  # on a CPU too: its torch path, for a check
         from vllm_kvreuse.device.npu import AscendOps
 
         ops["ascend"] = AscendOps(layers, rope)
     return ops
+
+
+def triton_variants(args) -> list[tuple[int, int]]:
+    """(tile, warps) pairs of ``--tiles`` x ``--warps`` other than the
+    shipped ones: the kernel's launch shape, measured side by side."""
+    from vllm_kvreuse.device.triton_ops import TritonOps
+
+    shipped = (TritonOps.TILE, TritonOps.NUM_WARPS)
+    pairs = [(t, w) for t in args.tiles or [] for w in args.warps or [shipped[1]]]
+    return [pair for pair in pairs if pair != shipped]
 
 
 def check_agreement(ops: dict[str, DeviceOps], table, stored, delta) -> None:
@@ -210,6 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delta", type=int, default=1000, help="position shift")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's)")  # fmt: skip
+    parser.add_argument("--tiles", type=int, nargs="*", default=None,
+                        help="CUDA: also time the Triton ops with these tiles "
+                        "(elements a program moves per side)")  # fmt: skip
+    parser.add_argument("--warps", type=int, nargs="*", default=None,
+                        help="CUDA: ... and these warps per program")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)

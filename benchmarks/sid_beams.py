@@ -4,7 +4,7 @@ catalog, plain vLLM beside ours in one run.
 A RecIF-shaped workload scaled by flags: prompts of ``--prompt-tokens``
 tokens, items of 3 semantic-ID tokens from 3 codebooks of ``--codebook``
 codes (token ids from ``--token-base``), a synthetic catalog of ``--items``
-items. Three modes, each a server of its own:
+items. Three modes, each a server of its own (started together):
 
 - ``plain``: vLLM's own beam search (in the API server, one engine request
   per beam per step), open vocabulary;
@@ -40,7 +40,8 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
+from vllm_kvreuse.testing.server import SERVED_MODEL, ServerSettings
+from vllm_kvreuse.testing.server_group import ServerSpec, StartTimes, start_servers
 
 MODES = ("plain", "engine", "catalog")
 
@@ -97,10 +98,10 @@ async def beam(
     return elapsed, [tuple(c["token_ids"]) for c in response.json()["choices"]]
 
 
-async def latency(server: Server, mode: str, width: int, args) -> tuple[float, float]:
+async def latency(url: str, mode: str, width: int, args) -> tuple[float, float]:
     """Median latency of ``args.repeats`` lone requests; the illegal share."""
     items, illegal, total, times = args.catalog_items, 0, 0, []
-    async with httpx.AsyncClient(base_url=server.url, timeout=3600) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
         await beam(client, mode, fresh(args), width, args)  # warm-up
         for _ in range(args.repeats):
             seconds, beams = await beam(client, mode, fresh(args), width, args)
@@ -123,10 +124,10 @@ async def saturate(call, concurrency: int, per_client: int) -> float:
     return concurrency * per_client / (time.perf_counter() - start)
 
 
-async def throughput(server: Server, mode: str, width: int, concurrency: int, args):
+async def throughput(url: str, mode: str, width: int, concurrency: int, args):
     """Beam requests per second at ``concurrency``."""
     async with httpx.AsyncClient(
-        base_url=server.url, timeout=3600,
+        base_url=url, timeout=3600,
         limits=httpx.Limits(max_connections=concurrency + 4),
     ) as client:  # fmt: skip
         return await saturate(
@@ -172,12 +173,12 @@ async def two_stage(
     return end - start, end - middle, beams
 
 
-async def two_stage_runs(server: Server, mode: str, width: int, args) -> dict:
+async def two_stage_runs(url: str, mode: str, width: int, args) -> dict:
     """Lone calls (median whole and stage-2 latency, illegal share) and
     requests per second at each ``args.concurrency``."""
     items, illegal, total, whole, stage2 = args.catalog_items, 0, 0, [], []
     async with httpx.AsyncClient(
-        base_url=server.url, timeout=3600,
+        base_url=url, timeout=3600,
         limits=httpx.Limits(max_connections=max(args.concurrency) + 4),
     ) as client:  # fmt: skip
         await two_stage(client, mode, fresh(args), width, args)  # warm-up
@@ -221,27 +222,43 @@ def server_args(mode: str, catalog: Path, args) -> list[str]:
     return common + extra
 
 
-def run_mode(mode: str, catalog: Path, args) -> dict:
+def measure_mode(url: str, mode: str, args) -> dict:
+    """Latency at ``args.widths``, throughput at ``args.saturation_widths``
+    and ``args.concurrency``, two-stage calls if asked, on the server at
+    ``url`` started for ``mode``."""
     args.prompt_numbers = itertools.count()
-    log = Path(tempfile.mkdtemp()) / f"{mode}.log"
-    with Server(
-        args.model, *server_args(mode, catalog, args), log_path=log,
-        settings=ServerSettings.from_args(args),
-    ) as server:  # fmt: skip
-        lat = {w: asyncio.run(latency(server, mode, w, args)) for w in args.widths}
-        qps = {
-            (w, c): asyncio.run(throughput(server, mode, w, c, args))
+    lat = {w: asyncio.run(latency(url, mode, w, args)) for w in args.widths}
+    qps = {
+        (w, c): asyncio.run(throughput(url, mode, w, c, args))
+        for w in args.saturation_widths
+        for c in args.concurrency
+    }
+    chains = {}
+    if args.two_stage and mode in ("plain", "catalog"):
+        chains = {
+            w: asyncio.run(two_stage_runs(url, mode, w, args))
             for w in args.saturation_widths
-            for c in args.concurrency
         }
-        chains = {}
-        if args.two_stage and mode in ("plain", "catalog"):
-            chains = {
-                w: asyncio.run(two_stage_runs(server, mode, w, args))
-                for w in args.saturation_widths
-            }
-    print(f"{mode}: server log {log}", flush=True)
     return {"latency": lat, "qps": qps, "two_stage": chains}
+
+
+def run_modes(modes: list[str], catalog: Path, args) -> dict[str, dict]:
+    """One server per mode, started together; each mode measured alone."""
+    settings = ServerSettings.from_args(args)
+    specs = [
+        ServerSpec(mode, args.model, server_args(mode, catalog, args),
+                   settings=settings, compile_group="model")
+        for mode in modes
+    ]  # fmt: skip
+    logs = Path(tempfile.mkdtemp())
+    times = StartTimes()
+    servers = start_servers(specs, logs, args.ready_timeout, times=times)
+    print(f"servers: {times.summary()}; logs in {logs}", flush=True)
+    try:
+        return {mode: measure_mode(servers[mode].url, mode, args) for mode in modes}
+    finally:
+        for server in servers.values():
+            server.close()
 
 
 def report(results: dict[str, dict], args) -> None:
@@ -317,7 +334,7 @@ def main() -> None:
     args = parser.parse_args()
     catalog = Path(tempfile.mkdtemp()) / "catalog.txt"
     args.catalog_items = write_catalog(catalog, args)
-    results = {m: run_mode(m, catalog, args) for m in args.modes.split(",")}
+    results = run_modes(args.modes.split(","), catalog, args)
     report(results, args)
     if args.plot:
         from svg_plot import line_chart  # benchmarks/ is on sys.path when run

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -41,7 +40,8 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvreuse.testing.server import SERVED_MODEL, Server, ServerSettings
+from vllm_kvreuse.testing.server import SERVED_MODEL, ServerSettings, metric
+from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
 
 SUFFIX = "</think>\n<|sid_begin|>"
 FRONTEND_MODES = ("text", "token_ids", "continuation")
@@ -127,16 +127,14 @@ async def stage2(client: httpx.AsyncClient, mode: str, prompt: str, s1: dict, ar
     return latency, [c["text"] for c in data["choices"]], num_prompt
 
 
-async def run_mode(server: Server, mode: str, args) -> ModeResult:
+async def run_mode(url: str, mode: str, args) -> ModeResult:
     result = ModeResult(mode)
     limits = httpx.Limits(max_connections=args.concurrency * 2)
-    async with httpx.AsyncClient(
-        base_url=server.url, timeout=600, limits=limits
-    ) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         (await client.post("/reset_prefix_cache")).raise_for_status()
-        computed0 = computed_tokens(server)
-        preempt0 = server.metric("vllm:num_preemptions_total")
-        requests0 = engine_requests(server)
+        computed0 = computed_tokens(url)
+        preempt0 = metric(url, "vllm:num_preemptions_total")
+        requests0 = engine_requests(url)
         semaphore = asyncio.Semaphore(args.concurrency)
 
         async def one(i: int) -> None:
@@ -163,25 +161,25 @@ async def run_mode(server: Server, mode: str, args) -> ModeResult:
         await asyncio.gather(*(one(i) for i in range(args.requests)))
         result.wall = time.perf_counter() - start
         await asyncio.sleep(1.5)  # let the last scheduler stats reach /metrics
-        result.computed_total = computed_tokens(server) - computed0
-        result.preemptions = server.metric("vllm:num_preemptions_total") - preempt0
-        result.engine_requests = engine_requests(server) - requests0
+        result.computed_total = computed_tokens(url) - computed0
+        result.preemptions = metric(url, "vllm:num_preemptions_total") - preempt0
+        result.engine_requests = engine_requests(url) - requests0
     return result
 
 
-def computed_tokens(server: Server) -> float:
+def computed_tokens(url: str) -> float:
     """Prompt tokens computed so far: vLLM's count (requests the frontend
     sees), plus those of beam requests run inside the engine."""
-    return server.metric(
-        "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
-    ) + server.metric("vllm_kvreuse:beam_computed_prompt_tokens_total")
+    return metric(
+        url, "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
+    ) + metric(url, "vllm_kvreuse:beam_computed_prompt_tokens_total")
 
 
-def engine_requests(server: Server) -> float:
+def engine_requests(url: str) -> float:
     """Engine requests so far: those the frontend saw finish, plus the beam
     requests engine-side beam search spawned inside the engine."""
-    return server.metric("vllm:request_success_total") + server.metric(
-        "vllm_kvreuse:beam_forks_total"
+    return metric(url, "vllm:request_success_total") + metric(
+        url, "vllm_kvreuse:beam_forks_total"
     )
 
 
@@ -265,38 +263,42 @@ def check_beams(results: dict[str, ModeResult]) -> None:
             )
 
 
-def run_on_server(args, server_args: list[str], modes: list[str]) -> dict:
-    """Starts one server, runs ``modes`` on it one after the other."""
-    log = Path(tempfile.mkdtemp()) / "server.log"
+def run_on(url: str, modes: list[str], args) -> dict[str, ModeResult]:
+    """Runs ``modes`` one after the other on the server at ``url``."""
+    args.suffix_ids = tokenize(url, SUFFIX)
+    (args.think_end_id,) = tokenize(url, "</think>")
+    asyncio.run(warm_up(url, args))
     results = {}
-    with Server(
-        args.model,
-        *server_args,
-        log_path=log,
-        block_size=args.block_size,
-        settings=ServerSettings.from_args(args),
-    ) as server:
-        args.suffix_ids = tokenize(server, SUFFIX)
-        (args.think_end_id,) = tokenize(server, "</think>")
-        asyncio.run(warm_up(server, modes[0], args))
-        for mode in modes:
-            results[mode] = asyncio.run(run_mode(server, mode, args))
-            print(f"mode {mode}: {results[mode].wall:.1f}s", flush=True)
-    print(f"server log: {log}")
+    for mode in modes:
+        results[mode] = asyncio.run(run_mode(url, mode, args))
+        print(f"mode {mode}: {results[mode].wall:.1f}s", flush=True)
     return results
 
 
-async def warm_up(server: Server, mode: str, args) -> None:
+async def warm_up(url: str, args) -> None:
     """One two-stage request first, so no mode pays for the server's first calls."""
-    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         prompt = user_prompt(10**6, args.prompt_words)
         s1 = await stage1(client, prompt, args, retain=True)
         await stage2(client, "continuation", prompt, s1, args)
 
 
-def tokenize(server: Server, text: str) -> list[int]:
+def tokenize(url: str, text: str) -> list[int]:
     body = {"model": SERVED_MODEL, "prompt": text, "add_special_tokens": False}
-    return httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+    return httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+
+
+def server_args(args) -> list[str]:
+    """The frontend modes' server; the engine modes' adds ``--engine-beam-search``."""
+    server_args = [
+        "--max-logprobs", str(2 * args.beam_width), "--max-model-len", "2048",
+        "--max-num-batched-tokens", "4096",
+        "--enable-continuation",
+        "--retain-kv-max-fraction", str(args.retain_kv_max_fraction),
+    ]  # fmt: skip
+    if args.kv_blocks:
+        server_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
+    return server_args
 
 
 def main() -> None:
@@ -314,24 +316,30 @@ def main() -> None:
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
 
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache
-    server_args = [
-        "--max-logprobs", str(2 * args.beam_width), "--max-model-len", "2048",
-        "--max-num-batched-tokens", "4096",
-        "--enable-continuation",
-        "--retain-kv-max-fraction", str(args.retain_kv_max_fraction),
-    ]  # fmt: skip
-    if args.kv_blocks:
-        server_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
-    results: dict[str, ModeResult] = {}
     modes = args.modes.split(",")
-    for extra, group in (
-        ([], FRONTEND_MODES),
-        (["--engine-beam-search"], ENGINE_MODES),
-    ):
-        wanted = [mode for mode in group if mode in modes]
-        if wanted:
-            results |= run_on_server(args, server_args + extra, wanted)
+    groups = {
+        "frontend": ([], [m for m in FRONTEND_MODES if m in modes]),
+        "engine": (["--engine-beam-search"], [m for m in ENGINE_MODES if m in modes]),
+    }
+    groups = {name: group for name, group in groups.items() if group[1]}
+    settings = ServerSettings.from_args(args)
+    specs = [
+        ServerSpec(name, args.model, server_args(args) + extra,
+                   block_size=args.block_size, settings=settings,
+                   env={"VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
+                   compile_group="model")
+        for name, (extra, _) in groups.items()
+    ]  # fmt: skip
+    logs = Path(tempfile.mkdtemp())
+    servers = start_servers(specs, logs, args.ready_timeout)
+    results: dict[str, ModeResult] = {}
+    try:
+        for name, (_, wanted) in groups.items():
+            results |= run_on(servers[name].url, wanted, args)
+    finally:
+        for server in servers.values():
+            server.close()
+    print(f"server logs: {logs}")
     report(results, args)
 
 

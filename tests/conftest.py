@@ -31,9 +31,13 @@ if tp := os.environ.get("KVREUSE_TENSOR_PARALLEL"):  # opt-in: docs/deployment.m
         "VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups)
     )
 if os.environ.get("KVREUSE_GPU_TIER"):  # scripts/test_gpu.sh: one file per process
-    # vLLM's memory profiling assumes one engine per process and GPU; a small
-    # share leaves room for the engines a test file starts one after another.
-    ENGINE_KWARGS["gpu_memory_utilization"] = 0.2
+    # vLLM sizes its KV cache by profiling the memory left on the GPU, which
+    # assumes no other engine allocates meanwhile. A fixed KV size skips the
+    # profiling, so test files (and the GPU report's servers) can share one
+    # GPU at the same time; the small utilization is then only the free
+    # memory vLLM insists on at start.
+    ENGINE_KWARGS["kv_cache_memory_bytes"] = 512 * 2**20
+    ENGINE_KWARGS["gpu_memory_utilization"] = 0.02
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 

@@ -15,6 +15,7 @@ from tests.conftest import BLOCK_SIZE, ENGINE_KWARGS
 from tests.integration.chunks import (
     DOC_A,
     DOC_B,
+    DOC_C,
     QUESTION,
     SYSTEM,
     chunk_cache_llm,
@@ -45,13 +46,44 @@ def llm(model_dir: str) -> Iterator[LLM]:
         yield engine
 
 
-def _assert_matches(out, expected: list[int], logprobs) -> None:
+@pytest.fixture(scope="module")
+def reference_tolerance(llm, hf_model) -> float:
+    """The log-prob tolerance of comparisons with the Hugging Face reference
+    (float32, on the CPU): 1e-3, or twice what plain vLLM itself differs from
+    the reference on this device, whichever is larger. On a CPU the two agree
+    to about 1e-6; a GPU's kernels round differently (4.4e-3 measured on an
+    H200 for an ordinary prompt, tokens equal), so there the reference bounds
+    the answer and vLLM's own prefix cache checks the loads exactly
+    (:func:`test_the_same_chunks_again_load_what_was_stored`)."""
+    segments = [SYSTEM, DOC_C, QUESTION]
+    token_ids, _ = chunked_prompt(segments)
+    llm.reset_prefix_cache()
+    (plain,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN, use_tqdm=False)
+    llm.reset_prefix_cache()  # the tests start from an empty prefix cache
+    expected, logprobs = full_attention(hf_model, segments, steps=6)
+    assert list(plain.outputs[0].token_ids) == expected
+    first = plain.outputs[0].logprobs[0].items()
+    rounding = max(abs(e.logprob - float(logprobs[t])) for t, e in first)
+    return max(1e-3, 2 * rounding)
+
+
+def _assert_matches(out, expected: list[int], logprobs, tolerance: float) -> None:
     assert list(out.outputs[0].token_ids) == expected
     for token, entry in out.outputs[0].logprobs[0].items():
-        assert entry.logprob == pytest.approx(float(logprobs[token]), abs=1e-3)
+        assert entry.logprob == pytest.approx(float(logprobs[token]), abs=tolerance)
 
 
-def test_a_request_of_new_chunks_is_computed_as_plain_vllm(llm, hf_model) -> None:
+def _largest_difference(a, b) -> float:
+    """The largest log-prob difference of two answers with equal tokens,
+    over every step's top log-probs."""
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    steps = zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)
+    return max(abs(x[t].logprob - y[t].logprob) for x, y in steps for t in x)
+
+
+def test_a_request_of_new_chunks_is_computed_as_plain_vllm(
+    llm, hf_model, reference_tolerance
+) -> None:
     """First sight: every chunk computed in place, in the request itself (no
     other request runs), equal to an ordinary request of the same tokens and
     to full attention; its chunks are stored."""
@@ -63,7 +95,7 @@ def test_a_request_of_new_chunks_is_computed_as_plain_vllm(llm, hf_model) -> Non
     assert stats.saved - saved == 3
     assert cold.num_cached_tokens == 0
     expected, logprobs = full_attention(hf_model, segments, steps=6)
-    _assert_matches(cold, expected, logprobs)
+    _assert_matches(cold, expected, logprobs, reference_tolerance)
     llm.reset_prefix_cache()
     (plain,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN)
     assert plain.outputs[0].token_ids == cold.outputs[0].token_ids
@@ -83,26 +115,46 @@ def test_its_blocks_are_shared_with_ordinary_requests(llm) -> None:
     assert plain.outputs[0].token_ids == chunked.outputs[0].token_ids
 
 
-def test_the_same_chunks_again_load_what_full_attention_computed(llm, hf_model) -> None:
+def test_the_same_chunks_again_load_what_was_stored(
+    llm, hf_model, reference_tolerance, record_property
+) -> None:
     """Same documents, same order, another question: every chunk is loaded
-    as stored, which is what full attention computes here."""
+    as stored, where it was computed. vLLM's prefix cache gives the same
+    prompt the same KV (computed by the same first prompt), so the answers
+    agree to within what vLLM itself differs by between a prefix hit and the
+    prompt computed whole (the device's rounding: 0 or near it); and both
+    are full attention's answer within the reference tolerance."""
     documents = [doc(1700, 70), doc(1800, 50)]
-    generate(llm, [SYSTEM, *documents, QUESTION])
+    first = [SYSTEM, *documents, QUESTION]
+    generate(llm, first)
     llm.reset_prefix_cache()  # the blocks go; the stored chunks stay
     stats = index_of(llm).stats
     hits, exact = stats.hit_tokens, stats.exact_hits
     segments = [SYSTEM, *documents, [7, 8, 9, *QUESTION]]
     out = generate(llm, segments)
-    expected, logprobs = full_attention(hf_model, segments, steps=6)
-    _assert_matches(out, expected, logprobs)
     chunk_tokens = len(SYSTEM) + 120
     assert stats.hit_tokens - hits == chunk_tokens
     assert stats.exact_hits - exact == 3
     assert out.num_cached_tokens == chunk_tokens
 
+    # Plain vLLM, same engine and device: a prefix hit, and computed whole.
+    ids = [{"prompt_token_ids": chunked_prompt(s)[0]} for s in (first, segments)]
+    llm.reset_prefix_cache()
+    llm.generate(ids[:1], PLAIN, use_tqdm=False)
+    (hit,) = llm.generate(ids[1:], PLAIN, use_tqdm=False)
+    assert hit.num_cached_tokens == chunk_tokens
+    llm.reset_prefix_cache()
+    (whole,) = llm.generate(ids[1:], PLAIN, use_tqdm=False)
+    loaded, rounding = _largest_difference(out, hit), _largest_difference(hit, whole)
+    record_property("chunk load vs vLLM prefix hit (max log-prob diff)", loaded)
+    record_property("vLLM prefix hit vs computed whole (max log-prob diff)", rounding)
+    assert loaded <= max(rounding, 1e-6)
+    expected, logprobs = full_attention(hf_model, segments, steps=6)
+    _assert_matches(out, expected, logprobs, reference_tolerance)
+
 
 def test_chunks_are_reused_in_new_company_and_new_ones_computed_in_place(
-    llm, hf_model
+    llm, hf_model, reference_tolerance
 ) -> None:
     """A new system prompt, a stored document, a new one, another stored one:
     the stored ones are loaded as computed where first seen (moved by RoPE),
@@ -117,7 +169,7 @@ def test_chunks_are_reused_in_new_company_and_new_ones_computed_in_place(
     stats = index_of(llm).stats
     hits, saved = stats.hit_tokens, stats.saved
     out = generate(llm, segments)
-    _assert_matches(out, expected, logprobs)
+    _assert_matches(out, expected, logprobs, reference_tolerance)
     assert stats.hit_tokens - hits == len(doc_b + doc_a)
     assert stats.saved - saved == 2  # the new system prompt and doc_d
     assert out.num_cached_tokens == len(doc_b + doc_a)

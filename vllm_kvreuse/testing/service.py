@@ -41,24 +41,32 @@ class Service:
             self.command, stdout=self._log, stderr=subprocess.STDOUT, **popen
         )
 
+    def is_ready(self) -> bool:
+        """Whether ``/health`` answers 200 now; raises if the program exited."""
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def wait_ready(self, timeout: float, poll: float) -> None:
         """Returns once ``/health`` answers 200; raises (and closes) if the
         program exits first or ``timeout`` seconds pass."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.is_ready():
+                return
             time.sleep(poll)
         self.close()
         raise TimeoutError(f"{self.name} not ready in {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+        """The last ``num_chars`` bytes of the log, decoded."""
+        with open(self.log_path, "rb") as log:
+            log.seek(0, 2)
+            log.seek(max(0, log.tell() - num_chars))
+            return log.read().decode(errors="replace")
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -10,7 +10,11 @@ and the semantic-id tokens ``<s_a_0>`` … ``<s_c_255>``.
 
 Usage::
 
-    python -m vllm_kvreuse.testing.tiny_model OUT_DIR --preset tiny|small
+    python -m vllm_kvreuse.testing.tiny_model OUT_DIR --preset tiny|small|7b
+
+The ``7b`` preset (Qwen2.5-7B's shape, 7.6B parameters with this
+vocabulary, bfloat16, 15 GB) is for benchmarks on a GPU: it is initialised on
+the GPU when there is one (seconds) and written as safetensors.
 """
 
 from __future__ import annotations
@@ -59,6 +63,17 @@ class Preset:
     intermediate_size: int
     vocab_size: int
     dtype: str
+    initializer_range: float = 0.08
+    """Standard deviation of the random weights. Larger than the usual 0.02
+    so that random logits are not all tied and greedy decoding is decisive
+    in the small presets; the usual 0.02 for deep wide ones, whose residual
+    stream would otherwise grow by about ``sqrt(intermediate) * std**3`` a
+    layer (bfloat16 keeps it finite either way; 0.02 keeps attention
+    softmaxes from saturating)."""
+    max_positions: int = 8192
+    on_gpu: bool = False
+    """Initialised on the GPU when there is one. The other presets always on
+    the CPU: their weights are then the same on every machine."""
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +86,9 @@ PRESETS: dict[str, Preset] = {
     # Qwen2-0.5B-shaped (about 360M parameters with this vocabulary), for
     # benchmarks where a 2-layer model would make overheads look larger.
     "small": Preset(896, 24, 14, 2, 4864, 32768, "bfloat16"),
+    # Qwen2.5-7B-shaped (hidden 3584, 28 layers, 28 heads, 4 KV heads): what
+    # the chunk cache's RAG figures on a GPU are measured on.
+    "7b": Preset(3584, 28, 28, 4, 18944, 32768, "bfloat16", 0.02, 32768, True),
 }
 
 
@@ -120,7 +138,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int):
 
 
 def build_model(out_dir: Path, preset: Preset, eos_token_id: int, seed: int) -> None:
-    """Writes a random-weight Qwen2ForCausalLM with ``preset``'s shape."""
+    """Writes a random-weight Qwen2ForCausalLM with ``preset``'s shape,
+    initialised on the GPU when there is one."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -132,17 +151,25 @@ def build_model(out_dir: Path, preset: Preset, eos_token_id: int, seed: int) -> 
         num_hidden_layers=preset.num_layers,
         num_attention_heads=preset.num_heads,
         num_key_value_heads=preset.num_kv_heads,
-        max_position_embeddings=8192,
+        max_position_embeddings=preset.max_positions,
         rope_theta=10000.0,
         tie_word_embeddings=True,
         eos_token_id=eos_token_id,
         bos_token_id=None,
         torch_dtype=preset.dtype,
-        # Larger than the usual 0.02 so that random logits are not all tied
-        # and greedy decoding is decisive.
-        initializer_range=0.08,
+        initializer_range=preset.initializer_range,
     )
-    model = Qwen2ForCausalLM(config).to(getattr(torch, preset.dtype))
+    dtype = getattr(torch, preset.dtype)
+    device = "cuda" if preset.on_gpu and torch.cuda.is_available() else "cpu"
+    default_dtype = torch.get_default_dtype()
+    # A GPU preset is initialised in its own dtype (half the memory and time);
+    # the others in float32, then cast, so their weights stay what they are.
+    torch.set_default_dtype(dtype if preset.on_gpu else torch.float32)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config).to(dtype)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
     generation_config = {"eos_token_id": eos_token_id, "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(generation_config))

@@ -1,0 +1,424 @@
+"""What the GPU report runs: models, servers, sizes, budgets, targets.
+
+One :class:`Plan` for a GPU (what the figures are measured with) and one for
+the dry run on a CPU (the same sections with the tiny model and small
+sizes). Budgets are wall-clock seconds; on a GPU they sum to 8 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_kvreuse.testing.server import Server, ServerSettings
+from vllm_kvreuse.testing.server_group import ServerSpec, StartTimes
+
+GIB = 2**30
+SECTION_TITLES = (
+    ("rag", "RAG: chunk cache against plain vLLM"),
+    ("beams", "Beams: engine and catalog beams against vLLM's beam search"),
+    ("two_stage", "Two-stage (OpenOneRec)"),
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The workload of each section."""
+
+    doc_tokens: int
+    requests: int  # per RAG phase
+    beam_args: dict
+    two_stage_args: dict
+    micro_argv: list[str]
+
+
+GPU_SIZES = Sizes(
+    doc_tokens=1000,
+    requests=8,
+    # The RecIF-like shape benchmarks/sid_beams.py documents for a GPU.
+    beam_args=dict(
+        prompt_tokens=2500,
+        codebook=8192,
+        token_base=600,
+        items=100_000,
+        widths=[50, 512],
+        saturation_widths=[50],
+        concurrency=[16],
+        per_client=2,
+        repeats=1,
+        seed=0,
+    ),
+    two_stage_args=dict(
+        requests=16, concurrency=4, prompt_words=260, thinking_tokens=128, beam_width=32
+    ),
+    micro_argv=[
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--repeats",
+        "20",
+        "--tokens",
+        "16",
+        "4096",
+        "16384",
+        "--tiles",
+        "4096",
+        "16384",
+        "--warps",
+        "4",
+        "8",
+    ],
+)
+DRY_SIZES = Sizes(
+    doc_tokens=120,
+    requests=2,
+    beam_args=dict(
+        prompt_tokens=64,
+        codebook=1024,
+        token_base=600,
+        items=2000,
+        widths=[4, 16],
+        saturation_widths=[4],
+        concurrency=[2],
+        per_client=1,
+        repeats=1,
+        seed=0,
+    ),
+    two_stage_args=dict(
+        requests=2, concurrency=2, prompt_words=20, thinking_tokens=8, beam_width=4
+    ),
+    micro_argv=["--device", "cpu", "--tokens", "64", "--repeats", "2", "--warmup", "1"],
+)
+
+
+@dataclass
+class Plan:
+    dry_run: bool
+    work: Path
+    sizes: Sizes
+    rag_model: str
+    beam_model: str
+    budgets: dict[str, float]
+    """Seconds: ``start`` (models built and servers ready; ``correctness``
+    runs beside it), then each measured section's."""
+    kv_bytes: dict[str, int]
+    doc_words: int = 0
+    store_fraction: float = 0.1
+    store_note: str = ""
+    catalog: Path = field(init=False)
+
+    @classmethod
+    def make(cls, dry_run: bool, work: Path) -> Plan:
+        work.mkdir(parents=True, exist_ok=True)
+        if dry_run:
+            plan = cls(
+                True,
+                work,
+                DRY_SIZES,
+                "models/tiny",
+                "models/tiny",
+                dict(
+                    start=300, correctness=150, rag=60, beams=60, two_stage=60, micro=60
+                ),
+                kv_bytes={},
+            )
+        else:
+            plan = cls(
+                False,
+                work,
+                GPU_SIZES,
+                "models/7b",
+                "models/small",
+                dict(
+                    start=200,
+                    correctness=180,
+                    rag=60,
+                    beams=90,
+                    two_stage=50,
+                    micro=60,
+                ),
+                kv_bytes={"models/7b": 3 * GIB, "models/small": 3 * GIB // 2},
+            )
+        plan.catalog = work / "catalog.txt"
+        plan.logs.mkdir(exist_ok=True)
+        import argparse
+
+        import sid_beams
+
+        sid_beams.write_catalog(
+            plan.catalog, argparse.Namespace(**plan.sizes.beam_args)
+        )
+        return plan
+
+    @property
+    def total(self) -> float:
+        """The whole run's budget: start-up (correctness beside it), the
+        measured sections, the device line and the summary."""
+        return sum(v for k, v in self.budgets.items() if k != "correctness") + 20
+
+    @property
+    def ready_timeout(self) -> float:
+        return self.budgets["start"]
+
+    @property
+    def logs(self) -> Path:
+        return self.work / "servers"
+
+    @property
+    def models(self) -> dict[str, str]:
+        """Model directory -> preset (tiny first: the tests need it)."""
+        presets = {"models/tiny": "tiny", "models/small": "small", "models/7b": "7b"}
+        wanted = ["models/tiny", self.beam_model, self.rag_model]
+        return {d: presets[d] for d in dict.fromkeys(wanted)}
+
+    @property
+    def test_models(self) -> list[str]:
+        return ["models/tiny"]
+
+    measured = SECTION_TITLES
+
+    def settings(self, model: str) -> ServerSettings:
+        if self.dry_run:
+            return ServerSettings.for_device()
+        return ServerSettings(
+            dtype="auto", enforce_eager=False, kv_cache_bytes=self.kv_bytes[model]
+        )
+
+    def common_args(self, model: str) -> list[str]:
+        if model == self.rag_model and not self.dry_run:
+            return [
+                "--max-model-len",
+                "8192",
+                "--max-num-batched-tokens",
+                "8192",
+                "--max-num-seqs",
+                "32",
+            ]
+        return [
+            "--max-model-len",
+            "4096",
+            "--max-num-batched-tokens",
+            "8192",
+            "--max-logprobs",
+            "1025",
+        ]
+
+    def roles(self) -> dict[str, tuple[str, list[str]]]:
+        """Role -> (model, plugin flags). Roles with the same model and
+        flags share a server (the dry run's plain servers)."""
+        fraction = ["--chunk-cache-device-fraction", f"{self.store_fraction:.3f}"]
+        retain = ["--enable-continuation", "--retain-kv-max-fraction", "0.25"]
+        catalog = [
+            "--sid-catalog",
+            str(self.catalog),
+            "--logprobs-mode",
+            "processed_logprobs",
+        ]
+        return {
+            "rag_plain": (self.rag_model, []),
+            "rag_chunk": (self.rag_model, ["--enable-chunk-cache", *fraction]),
+            "plain": (self.beam_model, []),
+            "continuation": (self.beam_model, retain),
+            "engine": (self.beam_model, ["--engine-beam-search", *retain]),
+            "catalog": (self.beam_model, ["--engine-beam-search", *catalog]),
+        }
+
+    def server_of(self, role: str) -> str:
+        """The name of the server that plays ``role``."""
+        model, flags = self.roles()[role]
+        for name, (other_model, other_flags) in self.roles().items():
+            if (other_model, other_flags) == (model, flags):
+                return name
+        raise KeyError(role)
+
+    def servers(self) -> list[ServerSpec]:
+        names = dict.fromkeys(self.server_of(role) for role in self.roles())
+        specs = []
+        for name in names:
+            model, flags = self.roles()[name]
+            specs.append(
+                ServerSpec(
+                    name,
+                    model,
+                    [*self.common_args(model), *flags],
+                    env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
+                    settings=self.settings(model),
+                    compile_group=model,
+                )
+            )
+        return specs
+
+    def budget(self, name: str, begin: float) -> float:
+        """A section's budget, cut to what is left of the whole run's."""
+        left = self.total - (time.monotonic() - begin)
+        return max(10.0, min(self.budgets[name], left))
+
+    def config(self, name: str, servers: dict[str, Server]) -> dict:
+        """What a section's process needs (raises KeyError for a server that
+        did not start)."""
+
+        def url(role: str) -> str:
+            return servers[self.server_of(role)].url
+
+        sizes = self.sizes
+        if name == "rag":
+            args = dict(
+                docs_per_prompt=4,
+                doc_words=self.doc_words,
+                requests=sizes.requests,
+                concurrency=1,
+                warm_recompute=['"none"'],
+            )
+            return {"plain": url("rag_plain"), "chunk": url("rag_chunk"), "args": args}
+        if name == "beams":
+            return {
+                "args": dict(sizes.beam_args, model=self.beam_model),
+                "urls": {m: url(m) for m in ("plain", "engine", "catalog")},
+            }
+        if name == "two_stage":
+            args = dict(sizes.two_stage_args, block_size=32, kv_blocks=0)
+            return {
+                "continuation": url("continuation"),
+                "engine": url("engine"),
+                "args": args,
+            }
+        return {"argv": sizes.micro_argv}
+
+    def describe(self, times: StartTimes, servers: dict[str, Server]) -> str:
+        """The start-up section: servers, their flags and sizes, times."""
+        lines = [
+            "| server | model | flags | KV cache | started | ready |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for spec in self.servers():
+            kv = self.kv_bytes.get(spec.model_dir)
+            flags = " ".join(self.roles()[spec.name][1]) or "(plain vLLM)"
+            started = times.started.get(spec.name)
+            ready = times.ready.get(spec.name)
+            lines.append(
+                f"| {spec.name} | {spec.model_dir} | {flags} | "
+                f"{f'{kv / GIB:.1f} GiB' if kv else 'default'} | "
+                f"{f'{started:.0f} s' if started is not None else '-'} | "
+                f"{f'{ready:.0f} s' if ready is not None else 'not ready'} |"
+            )
+        backends = set()
+        for server in servers.values():
+            backends |= set(
+                re.findall(
+                    r"Using (\S+) (?:attention )?backend", server.log_tail(1 << 20)
+                )
+            )
+        lines += [
+            "",
+            f"Servers: {times.summary()}. Attention backends logged: "
+            f"{', '.join(sorted(backends)) or 'none found'}.",
+            f"Chunk store: {self.store_note}.",
+        ]
+        return "\n".join(lines)
+
+    def size_store(self) -> None:
+        """Sizes the RAG documents and the chunk store so that the store
+        holds every document of the run (with a quarter to spare). Every
+        preset shares one tokenizer: the tiny model's is read."""
+        import rag_chunk_cache
+        from transformers import AutoTokenizer
+
+        from vllm_kvreuse.testing.tiny_model import PRESETS
+
+        tokenizer = AutoTokenizer.from_pretrained("models/tiny")
+        sample = rag_chunk_cache.document(0, 200)
+        tokens_per_word = len(tokenizer(sample)["input_ids"]) / 200
+        preset = PRESETS[self.models[self.rag_model]]
+        dtype_bytes = 4 if self.dry_run else 2  # served float32 on CPU, else bf16
+        bytes_per_token = (
+            2 * preset.num_layers * preset.num_kv_heads * preset.head_dim * dtype_bytes
+        )
+        self.doc_words = max(8, round(self.sizes.doc_tokens / tokens_per_word))
+        documents = self.sizes.requests * (4 + 2)  # cold 4 new a request, mixed 2
+        needed = documents * self.sizes.doc_tokens * bytes_per_token * 1.25
+        kv = self.kv_bytes.get(self.rag_model, GIB)
+        if needed > kv and self.rag_model in self.kv_bytes:  # a larger KV cache
+            kv = self.kv_bytes[self.rag_model] = -(-int(needed) // 2**20) * 2**20
+        self.store_fraction = min(1.0, needed / kv)
+        self.store_note = (
+            f"{documents} documents of ~{self.sizes.doc_tokens} tokens "
+            f"({self.doc_words} words) x {bytes_per_token} B/token x 1.25 = "
+            f"{needed / 2**20:.0f} MiB: --chunk-cache-device-fraction "
+            f"{self.store_fraction:.3f} of a {kv / GIB:.1f} GiB KV cache"
+        )
+
+
+def summary(results: dict, seconds: float, plan: Plan) -> str:
+    """The targets of the GPU report, checked against what was measured."""
+
+    def get(section: str, *keys: str) -> float | None:
+        value = results.get(section)
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    rag, beams, two = (t for _, t in SECTION_TITLES)
+    micro = "Chunk load against copy bandwidth"
+    shares = get(micro, "share_of_copy") or {}
+    load_4k = [v for k, v in shares.items() if k.endswith(" 4096 triton load")]
+    checks = [
+        ("whole run", seconds, f"<= {plan.total:.0f} s", seconds <= plan.total),
+        (
+            "RAG warm TTFT, plain / ours, chunk_recompute none",
+            get(rag, "warm_none"),
+            ">= 10x",
+            lambda v: v >= 10,
+        ),
+        (
+            "RAG warm TTFT, plain / ours, default",
+            get(rag, "warm_default"),
+            "reported",
+            None,
+        ),
+        (
+            "RAG first sight, plain / ours",
+            get(rag, "first_sight"),
+            ">= 1/1.05",
+            lambda v: v >= 1 / 1.05,
+        ),
+        (
+            "catalog beams QPS / vLLM beam search QPS, width 50",
+            get(beams, "catalog_over_plain"),
+            ">= 7x",
+            lambda v: v >= 7,
+        ),
+        (
+            "illegal SIDs, catalog mode",
+            get(beams, "illegal_catalog"),
+            "0%",
+            lambda v: v == 0,
+        ),
+        (
+            "two-stage (d) wall / stage 1 alone",
+            get(two, "d_over_stage1"),
+            "<= 1.10",
+            lambda v: v <= 1.10,
+        ),
+        (
+            "chunk load, share of copy bandwidth, 4K tokens (worst shape)",
+            min(load_4k) if load_4k else None,
+            ">= 70%",
+            lambda v: v >= 0.70,
+        ),
+    ]
+    lines = ["| target | measured | wanted | met |", "|---|---:|---|---|"]
+    for name, value, wanted, check in checks:
+        if value is None:
+            lines.append(f"| {name} | not measured | {wanted} | - |")
+            continue
+        met = check if isinstance(check, bool) else (check(value) if check else None)
+        shown = f"{value:.2f}" if isinstance(value, float) else json.dumps(value)
+        lines.append(
+            f"| {name} | {shown} | {wanted} | "
+            f"{'-' if met is None else 'yes' if met else 'no'} |"
+        )
+    return "\n".join(lines)

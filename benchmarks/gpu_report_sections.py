@@ -1,0 +1,227 @@
+"""The GPU report's measured sections, each run as a process of its own.
+
+``python benchmarks/gpu_report_sections.py SECTION CONFIG_JSON`` prints the
+section's Markdown and, last, one line ``RESULT {json}`` with the figures the
+report's summary checks. :mod:`gpu_report` starts one such process per
+section, kills it at the section's budget and keeps what it printed, so a
+section that runs long never holds up the next.
+
+Sections: ``env`` (device and software), ``rag``, ``beams``, ``two_stage``
+and ``micro``; the servers they talk to were started by the report, their
+URLs are in the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+Config = dict[str, Any]
+
+
+def env(config: Config) -> dict:
+    """One line: GPU, driver, CUDA, torch, Triton, vLLM, this plugin."""
+    from importlib.metadata import version
+
+    import torch
+    import vllm
+
+    if torch.cuda.is_available():
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        try:
+            driver = subprocess.run(query, capture_output=True, text=True, timeout=20)
+            driver_version = driver.stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            driver_version = "unknown"
+        device = (
+            f"{torch.cuda.get_device_name()} "
+            f"({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), "
+            f"driver {driver_version}, CUDA {torch.version.cuda}"
+        )
+    else:
+        device = (
+            f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        )
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    runner = {"1": "V2", "0": "V1"}.get(runner or "", "vLLM's default (V2 on CUDA)")
+    line = (
+        f"{device}; torch {torch.__version__}, Triton {triton_version}, "
+        f"vLLM {vllm.__version__}, vllm-kvreuse {version('vllm-kvreuse')} "
+        f"({commit()}); model runner: {runner}"
+    )
+    print(line)
+    return {"line": line}
+
+
+def commit() -> str:
+    """The checkout's commit, marked when the tree differs from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "commit unknown"
+    if head.returncode:
+        return "commit unknown"
+    return f"commit {head.stdout.strip()}" + (
+        " + changes" if dirty.stdout.strip() else ""
+    )
+
+
+def rag(config: Config) -> dict:
+    """First-sight and warm TTFT, plain vLLM against the chunk cache."""
+    import rag_chunk_cache as bench
+
+    args = argparse.Namespace(**config["args"])
+    rows = bench.measure(
+        config["plain"], config["chunk"], bench.phase_prompts(args), args
+    )
+    print(bench.markdown(rows))
+    by_phase = {r["phase"]: r for r in rows}
+    none = next(
+        r for r in rows if r["phase"].startswith('warm, chunk_recompute="none"')
+    )
+    return {
+        "first_sight": by_phase["cold"]["ratio"],
+        "warm_default": by_phase["warm"]["ratio"],
+        "warm_none": none["ratio"],
+        "warm_hit_rate": by_phase["warm"]["hit_rate"],
+    }
+
+
+def beams(config: Config) -> dict:
+    """Engine beams against vLLM's beam search: throughput at the saturation
+    width first (the headline), then latency at each width, the widest last
+    and vLLM's own mode last of all (the slowest), each table printed as
+    soon as it is complete."""
+    import asyncio
+    import itertools
+    import tempfile
+
+    import sid_beams as bench
+
+    args = argparse.Namespace(**config["args"], two_stage=False)
+    args.catalog_items = bench.write_catalog(Path(tempfile.mkdtemp()) / "c.txt", args)
+    urls = config["urls"]
+    width, concurrency = args.saturation_widths[0], args.concurrency[-1]
+    qps, latency = {}, {}
+    for mode, url in urls.items():
+        args.prompt_numbers = itertools.count()
+        latency[(mode, width)] = asyncio.run(bench.latency(url, mode, width, args))
+        qps[mode] = asyncio.run(bench.throughput(url, mode, width, concurrency, args))
+    print(
+        f"Width {width}, {concurrency} clients, {args.per_client} requests each; "
+        f"prompts of {args.prompt_tokens} tokens, 3 SID tokens, 3 codebooks of "
+        f"{args.codebook}, a catalog of {args.items} items.\n"
+    )
+    print("| mode | requests/s | vs plain | p50 alone | illegal SIDs |")
+    print("|---|---:|---:|---:|---:|")
+    for mode in urls:
+        seconds, illegal = latency[(mode, width)]
+        print(
+            f"| {mode} | {qps[mode]:.2f} | {qps[mode] / qps['plain']:.2f}x | "
+            f"{seconds * 1e3:.0f} ms | {illegal:.0%} |"
+        )
+    result = {
+        "qps": qps,
+        "catalog_over_plain": qps["catalog"] / qps["plain"],
+        "illegal_catalog": latency[("catalog", width)][1],
+    }
+    print("RESULT " + json.dumps(result))
+    print("\n| width | mode | p50 alone | illegal SIDs |\n|---:|---|---:|---:|")
+    for w in [w for w in args.widths if w != width]:
+        for mode in reversed(urls):  # vLLM's own last: the slowest
+            args.prompt_numbers = itertools.count()
+            seconds, illegal = asyncio.run(bench.latency(urls[mode], mode, w, args))
+            print(f"| {w} | {mode} | {seconds * 1e3:.0f} ms | {illegal:.0%} |")
+            result[f"latency {mode} {w}"] = seconds
+    return result
+
+
+def two_stage(config: Config) -> dict:
+    """Modes (a)-(d) and stage 1 alone (OpenOneRec's think-then-recommend)."""
+    import two_stage_openonerec as bench
+
+    args = argparse.Namespace(**config["args"])
+    results = bench.run_on(
+        config["continuation"], ["text", "token_ids", "continuation"], args
+    )
+    results |= bench.run_on(config["engine"], ["engine_beam", "stage1_only"], args)
+    try:
+        bench.report(results, args)
+    except SystemExit as error:  # beams differed between modes: say so, keep going
+        print(f"**{error}**")
+    return {"d_over_stage1": results["engine_beam"].wall / results["stage1_only"].wall}
+
+
+def micro(config: Config) -> dict:
+    """The chunk load and save against a copy of the same bytes."""
+    import rerotate_copy_micro as bench
+
+    args = bench.parse_args(config["argv"])
+    print(
+        f"{args.dtype}, {args.backend} ({args.layout}), {args.block_size}-token "
+        f"blocks, delta {args.delta}, median of {args.repeats}\n"
+    )
+    rows = [row for model in bench.MODELS for row in bench.run_model(args, model)]
+    ops = [k for k in rows[0] if k not in ("model", "tokens", "bytes", "copy")]
+    print(
+        "| model | tokens | MB | copy µs | "
+        + " | ".join(f"{op} % copy" for op in ops)
+        + " |"
+    )
+    print("|---|---:|---:|---:|" + "---:|" * len(ops))
+    shares: dict[str, float] = {}
+    for r in rows:
+        cells = [f"{100 * r['copy'] / r[op]:.0f}%" for op in ops]
+        print(
+            f"| {r['model']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} | "
+            f"{r['copy'] * 1e6:.0f} | " + " | ".join(cells) + " |"
+        )
+        for op in ops:
+            shares[f"{r['model']} {r['tokens']} {op}"] = r["copy"] / r[op]
+    return {"share_of_copy": shares}
+
+
+SECTIONS = {
+    "env": env,
+    "rag": rag,
+    "beams": beams,
+    "two_stage": two_stage,
+    "micro": micro,
+}
+
+
+def main() -> None:
+    name, raw = sys.argv[1], sys.argv[2]
+    sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks beside it
+    # Every line printed goes to the report at once (vLLM logs to stderr:
+    # the report starts this with VLLM_LOGGING_STREAM set so).
+    sys.stdout.reconfigure(line_buffering=True)
+    result = SECTIONS[name](json.loads(raw))
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

