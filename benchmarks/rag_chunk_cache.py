@@ -194,9 +194,8 @@ def measure(
     args: argparse.Namespace,
 ) -> list[dict]:
     """The phases on both servers (plain vLLM gets each prompt as one text),
-    then the warm prompts with each ``args.warm_recompute`` value, then the
-    warm prompts again on plain vLLM (a full prefix hit). Rows of
-    :func:`row`, printed by :func:`markdown`."""
+    and after the warm one its references (:func:`warm_references`). Rows
+    of :func:`row`, printed by :func:`markdown`."""
     run_phase(plain_url, ["warm up the server now?"], 1)  # not in any phase
     run_phase(chunk_url, [["warm up", "the server", "now?"]], 1)
     rows = []
@@ -214,18 +213,34 @@ def measure(
                 hit_rate=hits / (hits + misses) if hits + misses else 0.0,
                 cached_share=cached)
         )  # fmt: skip
-    plain_warm = [rows[1]["plain p50"]]
+        if name == "warm":
+            plain_times = [r[0] for r in plain]
+            rows += warm_references(
+                plain_url, chunk_url, segment_lists, plain_times, args
+            )
+    return rows
+
+
+def warm_references(
+    plain_url: str,
+    chunk_url: str,
+    warm: list[list[str]],
+    plain_times: list[float],
+    args: argparse.Namespace,
+) -> list[dict]:
+    """Right after the warm phase (whose plain vLLM TTFTs are
+    ``plain_times``): the warm prompts on the chunk server with each
+    ``args.warm_recompute`` value, and again on plain vLLM, where every one
+    is now a full prefix hit (the reuse limit)."""
+    rows = []
     for value in map(json.loads, args.warm_recompute):
-        times = run_phase(chunk_url, phases["warm"], args.concurrency, value)
+        times = run_phase(chunk_url, warm, args.concurrency, value)
         name = f"warm, chunk_recompute={json.dumps(value)}"
-        rows.append(row(name, plain_warm, [r[0] for r in times]))
-    # The reuse limit: the warm prompts again, as one text, on plain vLLM.
-    repeat = run_phase(
-        plain_url, ["".join(s) for s in phases["warm"]], args.concurrency
-    )
+        rows.append(row(name, plain_times, [r[0] for r in times]))
+    repeat = run_phase(plain_url, ["".join(s) for s in warm], args.concurrency)
     hit_share = sum(r[2] for r in repeat) / sum(r[1] for r in repeat)
     name = "warm, plain again (a full prefix hit; in the chunk columns)"
-    rows.append(row(name, plain_warm, [r[0] for r in repeat], cached_share=hit_share))
+    rows.append(row(name, plain_times, [r[0] for r in repeat], cached_share=hit_share))
     return rows
 
 
@@ -286,7 +301,9 @@ def main() -> None:
         for server in servers.values():
             server.close()
     print(markdown(rows))
-    limit = rows[1]["chunk p50"] / rows[-1]["chunk p50"]
+    warm = next(r for r in rows if r["phase"] == "warm")
+    hit = next(r for r in rows if r["phase"].startswith("warm, plain again"))
+    limit = warm["chunk p50"] / hit["chunk p50"]
     print(f"\nchunk warm / full prefix hit: {limit:.2f}x")
     cold = rows[0]
     rerotate = rerotate_copy_ms_per_1k(args.model)

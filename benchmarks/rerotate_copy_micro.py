@@ -173,6 +173,10 @@ def measure(args, shape: KVShape, rope: Rope, tokens: int) -> dict[str, float]:
         result[f"{name} save"] = timed(
             lambda impl=impl: impl.save_chunk(table, 0, tokens)
         )
+        if name == "triton":  # what the rotation costs: the same load, unmoved
+            result[f"{name} load unmoved"] = timed(
+                lambda impl=impl: impl.load_chunk(table, 0, stored, 0, tokens, 0)
+            )
     return result
 
 

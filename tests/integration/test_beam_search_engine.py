@@ -42,7 +42,9 @@ def summary(outputs) -> list[list[tuple[list[int], float]]]:
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
-def test_same_beams_as_vllm_offline_loop(llm: LLM, ignore_eos: bool) -> None:
+def test_same_beams_as_vllm_offline_loop(
+    llm: LLM, ignore_eos: bool, record_property
+) -> None:
     # ignore_eos: each beam's request returns its top `width` log-probs, not
     # vLLM's 2 * width (BeamConfig.row_size); the beams must not change.
     params = BeamSearchParams(beam_width=4, max_tokens=3, ignore_eos=ignore_eos)
@@ -50,7 +52,12 @@ def test_same_beams_as_vllm_offline_loop(llm: LLM, ignore_eos: bool) -> None:
     expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
     got = summary(llm.beam_search(batch, params, concurrency_limit=4))
     assert len(got) == len(expected) == 6
-    for want, have in zip(expected, got, strict=True):
+    for number, (want, have) in enumerate(zip(expected, got, strict=True)):
+        if have != want:  # what the GPU report prints: (new tokens, score) by rank
+            tails = [
+                [(t[-3:], round(s, 5)) for t, s in beams] for beams in (want, have)
+            ]
+            record_property(f"prompt {number}: vLLM's loop, engine beams", tails)
         assert [tokens for tokens, _ in have] == [tokens for tokens, _ in want]
         for (_, a), (_, b) in zip(have, want, strict=True):
             assert a == pytest.approx(b, abs=1e-3)

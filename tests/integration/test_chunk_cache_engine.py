@@ -15,7 +15,6 @@ from tests.conftest import BLOCK_SIZE, ENGINE_KWARGS
 from tests.integration.chunks import (
     DOC_A,
     DOC_B,
-    DOC_C,
     QUESTION,
     SYSTEM,
     chunk_cache_llm,
@@ -24,7 +23,7 @@ from tests.integration.chunks import (
     index_of,
     stored_reference,
 )
-from tests.integration.conftest import scheduler_of
+from tests.integration.conftest import reference_tolerance, scheduler_of
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
@@ -47,24 +46,10 @@ def llm(model_dir: str) -> Iterator[LLM]:
 
 
 @pytest.fixture(scope="module")
-def reference_tolerance(llm, hf_model) -> float:
-    """The log-prob tolerance of comparisons with the Hugging Face reference
-    (float32, on the CPU): 1e-3, or twice what plain vLLM itself differs from
-    the reference on this device, whichever is larger. On a CPU the two agree
-    to about 1e-6; a GPU's kernels round differently (4.4e-3 measured on an
-    H200 for an ordinary prompt, tokens equal), so there the reference bounds
-    the answer and vLLM's own prefix cache checks the loads exactly
-    (:func:`test_the_same_chunks_again_load_what_was_stored`)."""
-    segments = [SYSTEM, DOC_C, QUESTION]
-    token_ids, _ = chunked_prompt(segments)
-    llm.reset_prefix_cache()
-    (plain,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN, use_tqdm=False)
-    llm.reset_prefix_cache()  # the tests start from an empty prefix cache
-    expected, logprobs = full_attention(hf_model, segments, steps=6)
-    assert list(plain.outputs[0].token_ids) == expected
-    first = plain.outputs[0].logprobs[0].items()
-    rounding = max(abs(e.logprob - float(logprobs[t])) for t, e in first)
-    return max(1e-3, 2 * rounding)
+def tolerance(llm, hf_model) -> float:
+    """Of comparisons with the Hugging Face reference on this device
+    (:func:`~tests.integration.conftest.reference_tolerance`)."""
+    return reference_tolerance(llm, hf_model)
 
 
 def _assert_matches(out, expected: list[int], logprobs, tolerance: float) -> None:
@@ -82,7 +67,7 @@ def _largest_difference(a, b) -> float:
 
 
 def test_a_request_of_new_chunks_is_computed_as_plain_vllm(
-    llm, hf_model, reference_tolerance
+    llm, hf_model, tolerance
 ) -> None:
     """First sight: every chunk computed in place, in the request itself (no
     other request runs), equal to an ordinary request of the same tokens and
@@ -95,7 +80,7 @@ def test_a_request_of_new_chunks_is_computed_as_plain_vllm(
     assert stats.saved - saved == 3
     assert cold.num_cached_tokens == 0
     expected, logprobs = full_attention(hf_model, segments, steps=6)
-    _assert_matches(cold, expected, logprobs, reference_tolerance)
+    _assert_matches(cold, expected, logprobs, tolerance)
     llm.reset_prefix_cache()
     (plain,) = llm.generate([{"prompt_token_ids": token_ids}], PLAIN)
     assert plain.outputs[0].token_ids == cold.outputs[0].token_ids
@@ -116,7 +101,7 @@ def test_its_blocks_are_shared_with_ordinary_requests(llm) -> None:
 
 
 def test_the_same_chunks_again_load_what_was_stored(
-    llm, hf_model, reference_tolerance, record_property
+    llm, hf_model, tolerance, record_property
 ) -> None:
     """Same documents, same order, another question: every chunk is loaded
     as stored, where it was computed. vLLM's prefix cache gives the same
@@ -150,11 +135,11 @@ def test_the_same_chunks_again_load_what_was_stored(
     record_property("vLLM prefix hit vs computed whole (max log-prob diff)", rounding)
     assert loaded <= max(rounding, 1e-6)
     expected, logprobs = full_attention(hf_model, segments, steps=6)
-    _assert_matches(out, expected, logprobs, reference_tolerance)
+    _assert_matches(out, expected, logprobs, tolerance)
 
 
 def test_chunks_are_reused_in_new_company_and_new_ones_computed_in_place(
-    llm, hf_model, reference_tolerance
+    llm, hf_model, tolerance
 ) -> None:
     """A new system prompt, a stored document, a new one, another stored one:
     the stored ones are loaded as computed where first seen (moved by RoPE),
@@ -169,7 +154,7 @@ def test_chunks_are_reused_in_new_company_and_new_ones_computed_in_place(
     stats = index_of(llm).stats
     hits, saved = stats.hit_tokens, stats.saved
     out = generate(llm, segments)
-    _assert_matches(out, expected, logprobs, reference_tolerance)
+    _assert_matches(out, expected, logprobs, tolerance)
     assert stats.hit_tokens - hits == len(doc_b + doc_a)
     assert stats.saved - saved == 2  # the new system prompt and doc_d
     assert out.num_cached_tokens == len(doc_b + doc_a)

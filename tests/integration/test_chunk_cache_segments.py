@@ -26,7 +26,11 @@ from tests.integration.chunks import (
     sources_after,
     stored_reference,
 )
-from tests.integration.conftest import num_free_blocks, scheduler_of
+from tests.integration.conftest import (
+    num_free_blocks,
+    reference_tolerance,
+    scheduler_of,
+)
 from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
 from vllm_kvreuse.chunk_cache.recompute import Recompute
 from vllm_kvreuse.config import KVReuseConfig
@@ -58,8 +62,9 @@ def _check(
     expected, logprobs = stored_reference(hf_model, seen, segments, STEPS, settings)
     out = generate(llm, segments, max_tokens=STEPS, recompute=recompute)
     assert list(out.outputs[0].token_ids) == expected
+    tolerance = reference_tolerance(llm, hf_model)
     for token, entry in out.outputs[0].logprobs[0].items():
-        assert abs(entry.logprob - float(logprobs[token])) < 1e-3
+        assert abs(entry.logprob - float(logprobs[token])) < tolerance
     return logprobs
 
 

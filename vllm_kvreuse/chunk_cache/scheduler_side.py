@@ -46,7 +46,13 @@ from vllm_kvreuse.chunk_cache.plan import (
     PlannedChunk,
     SaveSpec,
 )
-from vllm_kvreuse.chunk_cache.recompute import Recompute, Span, choose_spans, clip
+from vllm_kvreuse.chunk_cache.recompute import (
+    Recompute,
+    Span,
+    choose_spans,
+    clip,
+    merge,
+)
 from vllm_kvreuse.chunk_cache.stats import COUNTERS
 from vllm_kvreuse.chunk_cache.store import ChunkStore
 from vllm_kvreuse.config import KVReuseConfig
@@ -128,7 +134,10 @@ class ChunkScheduler:
             chunks,
             user_salt=request.cache_salt,
             block_salt=provenance.block_salt(),
-            spans=spans,
+            # Touching spans are one prefill: new chunks side by side are
+            # computed in one step, as plain vLLM computes them (the same
+            # kernels and shapes, so the same rounding on any device).
+            spans=merge(spans),
             unsaved=[chunk for chunk in chunks if chunk.saves],
         )
         self._count(plan)
