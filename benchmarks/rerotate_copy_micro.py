@@ -107,6 +107,8 @@ def all_ops(args, layers: list[PagedKV], rope: Rope) -> dict[str, DeviceOps]:
         from vllm_kvreuse.device.triton_ops import TritonOps
 
         ops["triton"] = TritonOps(layers, rope)
+        ops["triton gather"] = TritonOps(layers, rope)  # rotation element-wise
+        ops["triton gather"].HALVES = False
         for tile, warps in triton_variants(args):
             variant = TritonOps(layers, rope)
             variant.TILE, variant.NUM_WARPS = tile, warps

