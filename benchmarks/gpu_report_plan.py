@@ -241,7 +241,6 @@ class Plan:
                     [*self.common_args(model), *flags],
                     env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
                     settings=self.settings(model),
-                    compile_group=model,
                 )
             )
         return specs

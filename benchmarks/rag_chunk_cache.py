@@ -282,10 +282,9 @@ def main() -> None:
     common = ["--max-model-len", str(args.max_model_len)]
     common += ["--max-num-batched-tokens", str(args.max_model_len)]
     specs = [
-        ServerSpec("plain", args.model, common, settings=settings,
-                   compile_group="model"),
+        ServerSpec("plain", args.model, common, settings=settings),
         ServerSpec("chunk", args.model, [*common, "--enable-chunk-cache"],
-                   settings=settings, compile_group="model"),
+                   settings=settings),
     ]  # fmt: skip
     logs = Path(tempfile.mkdtemp())
     times = StartTimes()

@@ -247,7 +247,7 @@ def run_modes(modes: list[str], catalog: Path, args) -> dict[str, dict]:
     settings = ServerSettings.from_args(args)
     specs = [
         ServerSpec(mode, args.model, server_args(mode, catalog, args),
-                   settings=settings, compile_group="model")
+                   settings=settings)
         for mode in modes
     ]  # fmt: skip
     logs = Path(tempfile.mkdtemp())

@@ -329,8 +329,7 @@ def main() -> None:
     specs = [
         ServerSpec(name, args.model, server_args(args) + extra,
                    block_size=args.block_size, settings=settings,
-                   env={"VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
-                   compile_group="model")
+                   env={"VLLM_SERVER_DEV_MODE": "1"})  # for /reset_prefix_cache
         for name, (extra, _) in groups.items()
     ]  # fmt: skip
     logs = Path(tempfile.mkdtemp())

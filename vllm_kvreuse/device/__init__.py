@@ -10,6 +10,7 @@ platform. Nothing outside this folder indexes a KV cache.
 - ``cpu_amx.py``: the CPU attention's AMX-packed bfloat16 KV, as views;
 - ``torch_ops.py``: the torch implementation, any device, the reference;
 - ``triton_ops.py``: the Triton implementation, one launch per chunk move;
+- ``triton_kernels.py``: its kernels (any move; rotating loads of neox RoPE);
 - ``npu.py``: chunk moves over vllm-ascend's KV cache (Ascend NPU);
 - ``npu_kernels.py``: the Ascend kernels, each beside its torch equivalent;
 - ``block_copy.py``: copy-on-write block copies over every KV layout.

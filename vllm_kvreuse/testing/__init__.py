@@ -3,6 +3,7 @@
 - ``tiny_model.py``: a random-weight Qwen2 model and a trained tokenizer;
 - ``smollm2.py``: the default served model, SmolLM2-135M-Instruct;
 - ``server.py``: a real ``vllm serve`` process on a free loopback port;
+- ``server_group.py``: several of them started together, ready together;
 - ``router.py``: a real ``vllm-router`` in front of test servers;
 - ``service.py``: what those two share: a loopback HTTP program, its log,
   its readiness, its stop;
