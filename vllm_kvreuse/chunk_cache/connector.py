@@ -6,7 +6,7 @@ side that owns the work:
   the plans, over :class:`~.engine.store.ChunkStore`, the store's owner;
 - worker role: :class:`~.worker.chunks.ChunkWorker`, the stored tensors.
 
-Data flow: the feature (:mod:`.engine.feature`) plans chunked requests on the
+Data flow: the feature (:mod:`.feature`) plans chunked requests on the
 scheduler side → ``build_connector_meta`` packs a step's loads, saves and
 store decisions → the workers carry them out. Loads are synchronous (see
 :mod:`.engine.planner` for why), so nothing flows back but load errors.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllm_kvreuse.chunk_cache.engine.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
 from vllm_kvreuse.chunk_cache.engine.recompute import parse_recompute
-from vllm_kvreuse.chunk_cache.frontend.params import BODY_FIELD, parse_lengths
+from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
 from vllm_kvreuse.chunk_cache.paths.modes import MODES as CHUNK_ATTENTION_MODES
 from vllm_kvreuse.chunk_cache.paths.modes import REQUEST_KEY as CHUNK_ATTENTION
 from vllm_kvreuse.chunk_cache.paths.modes import parse_attention
@@ -134,7 +134,7 @@ SPEC = FeatureSpec(
         ),
     ),
     switch="enable_chunk_cache",
-    feature="vllm_kvreuse.chunk_cache.engine.feature:ChunkCache",
+    feature="vllm_kvreuse.chunk_cache.feature:ChunkCache",
     attach_engine_args="vllm_kvreuse.chunk_cache.engine_args:attach_chunk_connector",
     on_register="vllm_kvreuse.chunk_cache.engine_args:register_chunk_connector_name",
     promptless_fields=(BODY_FIELD,),

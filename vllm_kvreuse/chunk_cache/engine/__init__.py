@@ -1,6 +1,6 @@
-"""The chunk cache in the engine core: the feature, the plans, the store.
+"""The chunk cache in the engine core: the plans, the store (driven by the
+hook-layer feature, :mod:`vllm_kvreuse.chunk_cache.feature`).
 
-- ``feature.py``: the hook-layer feature: chunked requests' plans, segments;
 - ``planner.py``: every plan: loads, chunks computed in place, saves (the
   connector's scheduler side);
 - ``store.py``: the store's owner: keys, pins, reservations, admin actions;

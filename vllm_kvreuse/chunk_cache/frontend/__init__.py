@@ -1,10 +1,10 @@
-"""The chunk cache in the API server (and ``LLM``): chunked prompts in.
+"""The chunk cache in the API server (and ``LLM``): chunked prompts in
+(what they carry in ``extra_args``: :mod:`vllm_kvreuse.chunk_cache.params`).
 
 - ``segments.py``: prompts split into segments, the ``chunks`` field;
 - ``chat.py``: chunked chat completions (``chunk_messages``, the separator,
   ``documents``) through the model's chat template;
 - ``chat_split.py``: where a rendered chat is cut, and the check that its
   pieces' tokens are vLLM's;
-- ``params.py``: what a chunked request carries in ``extra_args``;
 - ``admin.py``: the admin endpoint, as a vLLM endpoint plugin.
 """

@@ -24,7 +24,7 @@ from typing import Any
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import tokens_input
 
-from vllm_kvreuse.chunk_cache.frontend.params import BODY_FIELD, validate_lengths
+from vllm_kvreuse.chunk_cache.params import BODY_FIELD, validate_lengths
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 

@@ -2,12 +2,12 @@
 
 A chunked request arrives with ``extra_args["kvreuse_chunks"]``, the token
 lengths of its chunks (every segment but the question). On arrival the
-scheduler side plans it (:mod:`.planner`): chunks stored are loaded
+scheduler side plans it (:mod:`.engine.planner`): chunks stored are loaded
 (re-rotated), chunks not stored are computed in place and stored from the
 request's blocks. Then:
 
 1. if it loads a chunk computed elsewhere, its blocks are re-hashed under
-   a salt naming their values (:class:`~.keys.Provenance`), so they never
+   a salt naming their values (:class:`~.engine.keys.Provenance`), so they never
    match a request holding other values; a request that loads only what
    full attention computes keeps its own salt;
 2. its prefill is *segmented* where loads and computed spans alternate:
@@ -35,7 +35,7 @@ from vllm_kvreuse.chunk_cache.engine.recompute import (
     Recompute,
     parse_recompute,
 )
-from vllm_kvreuse.chunk_cache.frontend.params import chunk_lengths
+from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.paths import modes
 from vllm_kvreuse.chunk_cache.paths.voting import Voting
 from vllm_kvreuse.core.feature import Feature
@@ -155,7 +155,7 @@ class ChunkCache(Feature):
 
     def admin(self, action: str, **chunk: Any) -> dict[str, Any]:
         """The admin endpoint's actions on this store
-        (:meth:`.store.ChunkStore.admin`)."""
+        (:meth:`.engine.store.ChunkStore.admin`)."""
         return self.side.store.admin(action, **chunk)
 
     # -- helpers ---------------------------------------------------------------
