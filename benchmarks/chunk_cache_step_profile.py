@@ -43,7 +43,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 STEP = "EngineCore.step (whole step)"
 RAG_PARAMS: dict[str, Any] = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 CONNECTOR = "chunk_cache/connector.py"
-WORKER = "chunk_cache/worker_side.py"
+WORKER = "chunk_cache/worker/chunks.py"
 LAYER = "vllm_kvreuse/core/layer.py"
 # (file suffix, function name) -> row label, in print order.
 ROWS: dict[tuple[str, str], str] = {
@@ -52,7 +52,7 @@ ROWS: dict[tuple[str, str], str] = {
     (LAYER, "schedule"): "hook layer: schedule (with upstream)",
     (LAYER, "update_from_output"): "hook layer: update_from_output (with upstream)",
     (LAYER, "_each"): "hook layer: per-step feature hooks",
-    ("chunk_cache/scheduler_side.py", "plan"): "scheduler side: plan (arrival)",
+    ("chunk_cache/engine/planner.py", "plan"): "scheduler side: plan (arrival)",
     (CONNECTOR, "get_num_new_matched_tokens"): "connector: get_num_new_matched_tokens",
     (CONNECTOR, "build_connector_meta"): "connector: build_connector_meta",
     (CONNECTOR, "get_kv_connector_stats"): "connector: get_kv_connector_stats",
@@ -79,7 +79,7 @@ def rag_requests(count: int, seed: int) -> tuple[list[Any], list[dict[str, Any]]
     """``count`` prompts (a system prompt, two of eight documents, a question
     of their own) and their extra_args; the documents are the same for every
     seed, their pairs, orders and the questions are not."""
-    from vllm_kvreuse.chunk_cache.frontend import chunked_request
+    from vllm_kvreuse.chunk_cache.frontend.segments import chunked_request
 
     rng = random.Random(seed)
     (system,) = random_prompts(1, 64, 1000)

@@ -100,7 +100,7 @@ def rerotate_copy_ms_per_1k(model: str, repeats: int = 5) -> float:
     import torch
     from vllm.config import ModelConfig, VllmConfig
 
-    from vllm_kvreuse.chunk_cache.rope import model_rope
+    from vllm_kvreuse.chunk_cache.worker.rope import model_rope
     from vllm_kvreuse.device.layouts import cpu_attn_views
     from vllm_kvreuse.device.torch_ops import TorchOps
 

@@ -12,9 +12,14 @@ import torch
 from vllm import LLM, RequestOutput, SamplingParams
 
 from tests.integration.conftest import make_llm, scheduler_of
-from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
-from vllm_kvreuse.chunk_cache.index import ChunkIndex
-from vllm_kvreuse.chunk_cache.recompute import Recompute, choose_spans, clip, merge
+from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex
+from vllm_kvreuse.chunk_cache.engine.recompute import (
+    Recompute,
+    choose_spans,
+    clip,
+    merge,
+)
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.core.accounting import check_block_accounting
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 from vllm_kvreuse.testing.reference import chunk_attention_mask, segmented_reference

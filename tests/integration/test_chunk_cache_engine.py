@@ -25,7 +25,7 @@ from tests.integration.chunks import (
     stored_reference,
 )
 from tests.integration.conftest import reference_tolerance, scheduler_of
-from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
 pytestmark = pytest.mark.usefixtures("no_leak")

@@ -17,8 +17,8 @@ from tests.integration.chunks import (
     stored_reference,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
-from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
-from vllm_kvreuse.chunk_cache.recompute import Recompute
+from vllm_kvreuse.chunk_cache.engine.recompute import Recompute
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 
 
 def test_a_chunk_the_store_cannot_take_is_only_computed(model_dir: str) -> None:

@@ -21,7 +21,7 @@ from tests.integration.chunks import (
     generate,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
-from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
 DOCS = (DOC_A, DOC_B, DOC_C)

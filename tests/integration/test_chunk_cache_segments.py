@@ -31,8 +31,8 @@ from tests.integration.conftest import (
     reference_tolerance,
     scheduler_of,
 )
-from vllm_kvreuse.chunk_cache.frontend import chunked_prompt
-from vllm_kvreuse.chunk_cache.recompute import Recompute
+from vllm_kvreuse.chunk_cache.engine.recompute import Recompute
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.config import KVReuseConfig
 
 STEPS = 6

@@ -17,7 +17,7 @@ from vllm import LLM, SamplingParams
 from vllm.sampling_params import BeamSearchParams
 
 from tests.integration.chunks import chunk_cache_llm, generate, stored_reference
-from vllm_kvreuse.chunk_cache.frontend import tokenize_segments
+from vllm_kvreuse.chunk_cache.frontend.segments import tokenize_segments
 
 pytestmark = [
     pytest.mark.usefixtures("no_leak"),

@@ -18,7 +18,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from tests.integration.chunks import chunk_cache_llm, index_of
 from tests.integration.conftest import num_free_blocks, scheduler_of
-from vllm_kvreuse.chunk_cache.frontend import chunked_request
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_request
 
 SYSTEM = list(range(100, 140))  # 40 tokens: 2 steps
 DOC = list(range(200, 290))  # 90 tokens: 3 steps

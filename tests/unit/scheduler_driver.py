@@ -40,8 +40,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.conftest import BLOCK_SIZE
 from vllm_kvreuse.beam import result as beam_result
+from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
 from vllm_kvreuse.chunk_cache.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
-from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
 from vllm_kvreuse.core.accounting import check_block_accounting
 from vllm_kvreuse.testing.fake_worker import model_output as made_up_output

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vllm_kvreuse.chunk_cache.chat_split import (
+from vllm_kvreuse.chunk_cache.frontend.chat_split import (
     ChatSplitError,
     Piece,
     check_tokens,

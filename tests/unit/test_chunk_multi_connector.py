@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 )
 
 import vllm_kvreuse
+from vllm_kvreuse.chunk_cache.engine.stats import ChunkCacheStats
 from vllm_kvreuse.chunk_cache.engine_args import CHUNK_CONNECTOR, beside_chunk_connector
-from vllm_kvreuse.chunk_cache.stats import ChunkCacheStats
 
 OTHER = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
 

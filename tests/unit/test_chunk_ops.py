@@ -9,7 +9,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
 
-from vllm_kvreuse.chunk_cache.rope import UnsupportedModel, model_rope
+from vllm_kvreuse.chunk_cache.worker.rope import UnsupportedModel, model_rope
 from vllm_kvreuse.device import Rope
 from vllm_kvreuse.device.layouts import cpu_attn_views
 from vllm_kvreuse.device.torch_ops import (

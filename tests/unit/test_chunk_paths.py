@@ -7,7 +7,7 @@ import pytest
 import torch
 from vllm.v1.outputs import LogprobsTensors
 
-from vllm_kvreuse.chunk_cache.paths import (
+from vllm_kvreuse.chunk_cache.paths.modes import (
     Ballots,
     Path,
     parse_attention,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvreuse.chunk_cache.plan import ChunkPlan, PlannedChunk
-from vllm_kvreuse.chunk_cache.recompute import (
+from vllm_kvreuse.chunk_cache.engine.plan import ChunkPlan, PlannedChunk
+from vllm_kvreuse.chunk_cache.engine.recompute import (
     Recompute,
     choose_spans,
     clip,

@@ -4,9 +4,9 @@ exact."""
 
 from __future__ import annotations
 
-from vllm_kvreuse.chunk_cache.index import ChunkIndex
-from vllm_kvreuse.chunk_cache.keys import Provenance
-from vllm_kvreuse.chunk_cache.store import ChunkStore
+from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex
+from vllm_kvreuse.chunk_cache.engine.keys import Provenance
+from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
 
 IDENTITY = ("model", "", "auto", "float32", "in-place")
 

@@ -16,7 +16,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from tests.unit.test_chunk_ops import rotate
-from vllm_kvreuse.chunk_cache.rope import model_rope
+from vllm_kvreuse.chunk_cache.worker.rope import model_rope
 from vllm_kvreuse.device import Rope, UnsupportedKVLayout, build_ops
 from vllm_kvreuse.device.cpu_amx import TiledKV, amx_views
 from vllm_kvreuse.device.layouts import cpu_attn_views

@@ -13,7 +13,7 @@ import pytest
 import torch
 from vllm.config import ModelConfig, VllmConfig
 
-from vllm_kvreuse.chunk_cache.rope import model_rope
+from vllm_kvreuse.chunk_cache.worker.rope import model_rope
 from vllm_kvreuse.device import DeviceOps, Rope, UnsupportedKVLayout
 from vllm_kvreuse.device.npu import (
     AscendOps,

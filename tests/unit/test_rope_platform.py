@@ -27,7 +27,11 @@ from vllm.model_executor.layers.rotary_embedding import (
 )
 from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
 
-from vllm_kvreuse.chunk_cache.rope import UnsupportedModel, is_exact_rope, model_rope
+from vllm_kvreuse.chunk_cache.worker.rope import (
+    UnsupportedModel,
+    is_exact_rope,
+    model_rope,
+)
 from vllm_kvreuse.device import Rope
 from vllm_kvreuse.device.torch_ops import rerotate_keys
 

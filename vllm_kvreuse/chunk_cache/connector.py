@@ -2,16 +2,16 @@
 
 A thin facade: vLLM builds one instance per role, and each call goes to the
 side that owns the work:
-- scheduler role (engine core): :class:`~.scheduler_side.ChunkScheduler`,
-  the plans, over :class:`~.store.ChunkStore`, the store's owner;
-- worker role: :class:`~.worker_side.ChunkWorker`, the stored tensors.
+- scheduler role (engine core): :class:`~.engine.planner.ChunkScheduler`,
+  the plans, over :class:`~.engine.store.ChunkStore`, the store's owner;
+- worker role: :class:`~.worker.chunks.ChunkWorker`, the stored tensors.
 
 Data flow: the feature (:mod:`.feature`) plans chunked requests on the
 scheduler side → ``build_connector_meta`` packs a step's loads, saves and
 store decisions → the workers carry them out. Loads are synchronous (see
-:mod:`.scheduler_side` for why), so nothing flows back but load errors.
+:mod:`.engine.planner` for why), so nothing flows back but load errors.
 
-Cost when unused: the scheduler side builds an empty :class:`~.plan.ChunkMeta`
+Cost when unused: the scheduler side builds an empty :class:`~.engine.plan.ChunkMeta`
 in O(1) (vLLM requires one each step) and the worker binds only non-empty
 metadata, so a step that loads and saves nothing makes no per-layer call and
 no worker-side chunk call (docs/chunk_cache.md, "Cost when unused").
@@ -38,10 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
 
-from vllm_kvreuse.chunk_cache.plan import ChunkMeta
-from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
-from vllm_kvreuse.chunk_cache.stats import ChunkCachePromMetrics, ChunkCacheStats
-from vllm_kvreuse.chunk_cache.worker_side import ChunkWorker
+from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta
+from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
+from vllm_kvreuse.chunk_cache.engine.stats import ChunkCachePromMetrics, ChunkCacheStats
+from vllm_kvreuse.chunk_cache.worker.chunks import ChunkWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -2,12 +2,12 @@
 
 A chunked request arrives with ``extra_args["kvreuse_chunks"]``, the token
 lengths of its chunks (every segment but the question). On arrival the
-scheduler side plans it (:mod:`.scheduler_side`): chunks stored are loaded
+scheduler side plans it (:mod:`.engine.planner`): chunks stored are loaded
 (re-rotated), chunks not stored are computed in place and stored from the
 request's blocks. Then:
 
 1. if it loads a chunk computed elsewhere, its blocks are re-hashed under
-   a salt naming their values (:class:`~.keys.Provenance`), so they never
+   a salt naming their values (:class:`~.engine.keys.Provenance`), so they never
    match a request holding other values; a request that loads only what
    full attention computes keeps its own salt;
 2. its prefill is *segmented* where loads and computed spans alternate:
@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.chunk_cache import paths
 from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
-from vllm_kvreuse.chunk_cache.params import chunk_lengths
-from vllm_kvreuse.chunk_cache.recompute import (
+from vllm_kvreuse.chunk_cache.engine.recompute import (
     REQUEST_KEY,
     Recompute,
     parse_recompute,
 )
-from vllm_kvreuse.chunk_cache.voting import Voting
+from vllm_kvreuse.chunk_cache.params import chunk_lengths
+from vllm_kvreuse.chunk_cache.paths import modes
+from vllm_kvreuse.chunk_cache.paths.voting import Voting
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.core.request_keys import BEAM, PARENT
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.engine import EngineCoreOutput
 
-    from vllm_kvreuse.chunk_cache.scheduler_side import ChunkScheduler
+    from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
     from vllm_kvreuse.core.context import Core
 
 
@@ -79,7 +79,7 @@ class ChunkCache(Feature):
         if lengths is None:
             return
         if _attention_of(request, self.attention) == "paths":
-            answer_paths = paths.paths_of(request.prompt_token_ids or [], lengths)
+            answer_paths = modes.paths_of(request.prompt_token_ids or [], lengths)
             if answer_paths and _may_take_paths(request):
                 self.voting.start(request, answer_paths)
                 return
@@ -155,7 +155,7 @@ class ChunkCache(Feature):
 
     def admin(self, action: str, **chunk: Any) -> dict[str, Any]:
         """The admin endpoint's actions on this store
-        (:meth:`.store.ChunkStore.admin`)."""
+        (:meth:`.engine.store.ChunkStore.admin`)."""
         return self.side.store.admin(action, **chunk)
 
     # -- helpers ---------------------------------------------------------------
@@ -191,8 +191,8 @@ class ChunkCache(Feature):
 def _attention_of(request: Request, default: str) -> str:
     """The request's own attention mode, else the server's."""
     extra_args = request.sampling_params.extra_args or {}
-    value = extra_args.get(paths.REQUEST_KEY)
-    return default if value is None else paths.parse_attention(value)
+    value = extra_args.get(modes.REQUEST_KEY)
+    return default if value is None else modes.parse_attention(value)
 
 
 def _may_take_paths(request: Request) -> bool:

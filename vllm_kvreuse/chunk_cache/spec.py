@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from vllm_kvreuse.chunk_cache.engine.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
+from vllm_kvreuse.chunk_cache.engine.recompute import parse_recompute
 from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
-from vllm_kvreuse.chunk_cache.paths import MODES as CHUNK_ATTENTION_MODES
-from vllm_kvreuse.chunk_cache.paths import REQUEST_KEY as CHUNK_ATTENTION
-from vllm_kvreuse.chunk_cache.paths import parse_attention
-from vllm_kvreuse.chunk_cache.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
-from vllm_kvreuse.chunk_cache.recompute import parse_recompute
+from vllm_kvreuse.chunk_cache.paths.modes import MODES as CHUNK_ATTENTION_MODES
+from vllm_kvreuse.chunk_cache.paths.modes import REQUEST_KEY as CHUNK_ATTENTION
+from vllm_kvreuse.chunk_cache.paths.modes import parse_attention
 from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
@@ -138,6 +138,6 @@ SPEC = FeatureSpec(
     attach_engine_args="vllm_kvreuse.chunk_cache.engine_args:attach_chunk_connector",
     on_register="vllm_kvreuse.chunk_cache.engine_args:register_chunk_connector_name",
     promptless_fields=(BODY_FIELD,),
-    render_completion="vllm_kvreuse.chunk_cache.frontend:render_chunked",
-    render_chat="vllm_kvreuse.chunk_cache.chat:render_chunked_chat",
+    render_completion="vllm_kvreuse.chunk_cache.frontend.segments:render_chunked",
+    render_chat="vllm_kvreuse.chunk_cache.frontend.chat:render_chunked_chat",
 )

@@ -96,7 +96,7 @@ class Rope:
 
     Angles are linear in the position (``pos * inv_freq``), so rotating a key
     already rotated for position ``v`` by ``delta`` gives the key for position
-    ``v + delta``. :mod:`vllm_kvreuse.chunk_cache.rope` refuses models for
+    ``v + delta``. :mod:`vllm_kvreuse.chunk_cache.worker.rope` refuses models for
     which that does not hold.
     """
 

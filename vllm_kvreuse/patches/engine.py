@@ -103,7 +103,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         target="vllm.v1.engine.core:EngineCore.kvreuse_chunk_cache",
-        wrapper="vllm_kvreuse.chunk_cache.engine:make_chunk_cache_utility",
+        wrapper="vllm_kvreuse.chunk_cache.engine.admin:make_chunk_cache_utility",
         kind="new",
         signatures={V0_32_0: ABSENT},
         why="The chunk store's index lives in the scheduler, in the engine "

@@ -11,7 +11,7 @@ Routes (all JSON):
 vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS``; this one
 and the general plugin are both named ``kvreuse``, so
 ``VLLM_PLUGINS=kvreuse`` loads both. The engine side is the engine-core
-utility in :mod:`vllm_kvreuse.chunk_cache.engine`, installed by the general
+utility in :mod:`vllm_kvreuse.chunk_cache.engine.admin`, installed by the general
 plugin (:mod:`vllm_kvreuse.patches`).
 """
 
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.datastructures import State
 
-from vllm_kvreuse.chunk_cache.engine import UTILITY
+from vllm_kvreuse.chunk_cache.engine.admin import UTILITY
 
 router = APIRouter(prefix="/v1/kvreuse/chunk_cache")
 

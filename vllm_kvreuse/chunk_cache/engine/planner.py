@@ -37,24 +37,24 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.chunk_cache.index import ChunkIndex
-from vllm_kvreuse.chunk_cache.keys import Provenance, key_hasher, model_identity
-from vllm_kvreuse.chunk_cache.plan import (
+from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex
+from vllm_kvreuse.chunk_cache.engine.keys import Provenance, key_hasher, model_identity
+from vllm_kvreuse.chunk_cache.engine.plan import (
     ChunkMeta,
     ChunkPlan,
     LoadSpec,
     PlannedChunk,
     SaveSpec,
 )
-from vllm_kvreuse.chunk_cache.recompute import (
+from vllm_kvreuse.chunk_cache.engine.recompute import (
     Recompute,
     Span,
     choose_spans,
     clip,
     merge,
 )
-from vllm_kvreuse.chunk_cache.stats import COUNTERS
-from vllm_kvreuse.chunk_cache.store import ChunkStore
+from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
+from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
 from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.upstream import Upstream, block_ids
 

@@ -13,7 +13,7 @@ Two opt-in ways, both through the served model's own chat template:
 vLLM renders the request as it would anyway (``OnlineRenderer.render_chat``,
 the call ``OpenAIServingChat.render_chat_request`` makes); the cuts come from
 more renderings of the same request with fewer messages or documents
-(:mod:`vllm_kvreuse.chunk_cache.chat_split`). Each piece is tokenised alone,
+(:mod:`vllm_kvreuse.chunk_cache.frontend.chat_split`). Each piece is tokenised alone,
 and the pieces' tokens must be vLLM's tokens of the whole rendering, so the
 chunked prompt is vLLM's prompt minus any separators. A template that cannot
 be cut there, a body that cannot be chunked (not text, tools, an empty
@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvreuse.chunk_cache import chat_split
-from vllm_kvreuse.chunk_cache.chat_split import ChatSplitError
-from vllm_kvreuse.chunk_cache.frontend import chunked_input, chunked_prompt
+from vllm_kvreuse.chunk_cache.frontend import chat_split
+from vllm_kvreuse.chunk_cache.frontend.chat_split import ChatSplitError
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_input, chunked_prompt
 from vllm_kvreuse.config import KVReuseConfig
 
 CHUNK_MESSAGES = "chunk_messages"

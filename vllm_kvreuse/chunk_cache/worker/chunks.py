@@ -2,9 +2,10 @@
 
 Each worker holds the stored chunks (``[layers, 2, n, H, D]`` tensors on the
 KV cache's device, or in host memory for the CPU tier) and applies what the
-scheduler side decided for the step (:class:`~.plan.ChunkMeta`), in order:
-store decisions and loads before the forward pass, saves after it. Every KV
-tensor access goes through :mod:`vllm_kvreuse.device`.
+scheduler side decided for the step
+(:class:`~vllm_kvreuse.chunk_cache.engine.plan.ChunkMeta`), in order: store
+decisions and loads before the forward pass, saves after it. Every KV tensor
+access goes through :mod:`vllm_kvreuse.device`.
 
 A step without chunk work never reaches this class: the connector binds
 only non-empty metadata (``KVReuseChunkConnector.bind_connector_metadata``).
@@ -18,8 +19,8 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_kvreuse import device
-from vllm_kvreuse.chunk_cache.keys import ChunkKey
-from vllm_kvreuse.chunk_cache.plan import ChunkMeta, LoadSpec, SaveSpec
+from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey
+from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta, LoadSpec, SaveSpec
 
 logger = init_logger(__name__)
 
@@ -35,7 +36,7 @@ class ChunkWorker:
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm_kvreuse.chunk_cache.rope import model_rope
+        from vllm_kvreuse.chunk_cache.worker.rope import model_rope
 
         context = self._vllm_config.compilation_config.static_forward_context
         self.ops = device.build_ops(

@@ -1,7 +1,7 @@
 """The chunk cache's plan types: what flows from the scheduler to the workers.
 
-Nothing here holds state; :mod:`.scheduler_side` builds these and
-:mod:`.worker_side` carries them out.
+Nothing here holds state; :mod:`.planner` builds these and
+:mod:`vllm_kvreuse.chunk_cache.worker.chunks` carries them out.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from vllm_kvreuse.chunk_cache.index import StoreOp
-from vllm_kvreuse.chunk_cache.keys import ChunkKey
-from vllm_kvreuse.chunk_cache.recompute import Span
+from vllm_kvreuse.chunk_cache.engine.index import StoreOp
+from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey
+from vllm_kvreuse.chunk_cache.engine.recompute import Span
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vllm_kvreuse.chunk_cache.keys import ChunkKey, Origin
+from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, Origin
 
 Tier = Literal["device", "cpu"]
 

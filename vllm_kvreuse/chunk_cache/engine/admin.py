@@ -1,4 +1,5 @@
-"""Engine-core side of the chunk cache's admin endpoint (:mod:`.admin`).
+"""Engine-core side of the chunk cache's admin endpoint
+(:mod:`vllm_kvreuse.chunk_cache.frontend.admin`).
 
 The store index lives in the engine core's scheduler; the endpoint plugin
 reaches it through this engine-core utility (``call_utility_async``),

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_kvreuse.chunk_cache.index import StoreStats
+from vllm_kvreuse.chunk_cache.engine.index import StoreStats
 from vllm_kvreuse.metrics import PREFIX
 
 COUNTERS: dict[str, str] = {

@@ -1,7 +1,7 @@
 """Answer paths in the engine core: scoring requests, parking, the winner.
 
 The feature hands a chunked request in ``paths`` mode to :class:`Voting`,
-which spawns one scoring request per document (:mod:`.paths`), keeps the
+which spawns one scoring request per document (:mod:`.modes`), keeps the
 request out of each schedule until every path is scored, then makes the
 likeliest path the request's prompt. Nothing here touches KV: paths are
 ordinary prompts, cached and found by vLLM's prefix cache.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.chunk_cache.paths import Ballot, Ballots, Path, prefix_hasher
+from vllm_kvreuse.chunk_cache.paths.modes import Ballot, Ballots, Path, prefix_hasher
 from vllm_kvreuse.core.request_keys import CHUNKS
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The chunk store's owner, in the engine core: keys, pins, reservations.
 
 :class:`ChunkStore` is the only code that changes the
-:class:`~.index.ChunkIndex`: the planner (:mod:`.scheduler_side`) asks it to
+:class:`~.index.ChunkIndex`: the planner (:mod:`.planner`) asks it to
 pin, reserve and mark saved; the connector asks it to clear; the admin
 endpoint runs :meth:`ChunkStore.admin`. Workers hold the tensors and apply
 the index's decisions in order (:meth:`take_ops`).
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vllm_kvreuse.chunk_cache.index import ChunkIndex, Entry, StoreOp
-from vllm_kvreuse.chunk_cache.keys import ChunkKey, Origin, chunk_key
-from vllm_kvreuse.chunk_cache.stats import COUNTERS
+from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex, Entry, StoreOp
+from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, Origin, chunk_key
+from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
 
 
 class ChunkStore:

@@ -1,6 +1,6 @@
 """Where a rendered chat is cut into chunks, and the check that the cut is exact.
 
-Pure text and token logic, no vLLM: :mod:`vllm_kvreuse.chunk_cache.chat`
+Pure text and token logic, no vLLM: :mod:`vllm_kvreuse.chunk_cache.frontend.chat`
 renders the conversation through the served model's chat template and hands
 the texts here.
 

@@ -1,0 +1,14 @@
+"""The chunk cache in the engine core: the plans, the store (driven by the
+hook-layer feature, :mod:`vllm_kvreuse.chunk_cache.feature`).
+
+- ``planner.py``: every plan: loads, chunks computed in place, saves (the
+  connector's scheduler side);
+- ``store.py``: the store's owner: keys, pins, reservations, admin actions;
+- ``index.py``: the index: what is stored where, LRU order, pins, capacity;
+- ``keys.py``: chunks' content keys, stored chunks' origins, block salts;
+- ``recompute.py``: which chunk tokens a request recomputes (heads, chunks
+  chosen by the question, a tail), and its ``chunk_recompute`` field;
+- ``plan.py``: the plan types the scheduler sends the workers;
+- ``stats.py``: chunk-store statistics on vLLM's KV-connector stats path;
+- ``admin.py``: the engine-core utility behind the admin endpoint.
+"""
