@@ -8,3 +8,7 @@
   pieces' tokens are vLLM's;
 - ``admin.py``: the admin endpoint, as a vLLM endpoint plugin.
 """
+
+from vllm_kvreuse.chunk_cache.frontend.segments import chunked_request
+
+__all__ = ["chunked_request"]
