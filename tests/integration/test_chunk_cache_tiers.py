@@ -179,3 +179,23 @@ def test_every_tier_moves_bfloat16_chunks_unchanged(model_dir, tmp_path) -> None
             out = generate(llm, [SYSTEM, docs[number], [7, *QUESTION]])
             assert out.outputs[0].token_ids == warm[number].outputs[0].token_ids
             assert out.outputs[0].logprobs == warm[number].outputs[0].logprobs
+
+
+def test_a_full_disk_costs_the_chunks_it_could_not_take(model_dir, tmp_path) -> None:
+    """The disk tier's directory turns unwritable (as a full disk does):
+    chunks moved down to it are lost, counted, and computed again when
+    asked for; every answer is plain vLLM's."""
+    documents = [doc(3300), doc(3400), doc(3500)]
+    with chunk_cache_llm(model_dir, **tiers(110, 0, tmp_path)) as llm:
+        generate(llm, [SYSTEM, documents[0], QUESTION])
+        (directory,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+        directory.rmdir()
+        directory.write_text("not a directory: every write fails")
+        for document in documents[1:]:
+            generate(llm, [SYSTEM, document, QUESTION])
+        segments = [SYSTEM, documents[0], [6, *QUESTION]]
+        llm.reset_prefix_cache()
+        out = generate(llm, segments)
+        stats = index_of(llm).stats
+        assert stats.spilled >= 1 and stats.load_failures >= 1
+        assert_same(out, as_plain_vllm(llm, segments))
