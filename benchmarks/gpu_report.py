@@ -39,7 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks beside it
 
 import gpu_report_correctness as correctness
-from gpu_report_plan import Plan, summary
+from gpu_report_plan import Plan
+from gpu_report_summary import summary
 
 from vllm_kvreuse.testing.server import Server
 from vllm_kvreuse.testing.server_group import StartTimes, start_servers

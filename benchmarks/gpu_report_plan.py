@@ -7,7 +7,6 @@ sizes). Budgets are wall-clock seconds; on a GPU they sum to 8 minutes.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -343,75 +342,3 @@ class Plan:
             f"{needed / 2**20:.0f} MiB: --chunk-cache-device-fraction "
             f"{self.store_fraction:.3f} of a {kv / GIB:.1f} GiB KV cache"
         )
-
-
-def summary(results: dict, seconds: float, plan: Plan) -> str:
-    """The targets of the GPU report, checked against what was measured."""
-
-    def get(section: str, *keys: str) -> float | None:
-        value = results.get(section)
-        for key in keys:
-            value = value.get(key) if isinstance(value, dict) else None
-        return value
-
-    rag, beams, two = (t for _, t in SECTION_TITLES)
-    micro = "Chunk load against copy bandwidth"
-    shares = get(micro, "share_of_copy") or {}
-    load_4k = [v for k, v in shares.items() if k.endswith(" 4096 triton load")]
-    checks = [
-        ("whole run", seconds, f"<= {plan.total:.0f} s", seconds <= plan.total),
-        (
-            "RAG warm TTFT, plain / ours, chunk_recompute none",
-            get(rag, "warm_none"),
-            ">= 10x",
-            lambda v: v >= 10,
-        ),
-        (
-            "RAG warm TTFT, plain / ours, default",
-            get(rag, "warm_default"),
-            "reported",
-            None,
-        ),
-        (
-            "RAG first sight, plain / ours",
-            get(rag, "first_sight"),
-            ">= 1/1.05",
-            lambda v: v >= 1 / 1.05,
-        ),
-        (
-            "catalog beams QPS / vLLM beam search QPS, width 50",
-            get(beams, "catalog_over_plain"),
-            ">= 7x",
-            lambda v: v >= 7,
-        ),
-        (
-            "illegal SIDs, catalog mode",
-            get(beams, "illegal_catalog"),
-            "0%",
-            lambda v: v == 0,
-        ),
-        (
-            "two-stage (d) wall / stage 1 alone",
-            get(two, "d_over_stage1"),
-            "<= 1.10",
-            lambda v: v <= 1.10,
-        ),
-        (
-            "chunk load, share of copy bandwidth, 4K tokens (worst shape)",
-            min(load_4k) if load_4k else None,
-            ">= 70%",
-            lambda v: v >= 0.70,
-        ),
-    ]
-    lines = ["| target | measured | wanted | met |", "|---|---:|---|---|"]
-    for name, value, wanted, check in checks:
-        if value is None:
-            lines.append(f"| {name} | not measured | {wanted} | - |")
-            continue
-        met = check if isinstance(check, bool) else (check(value) if check else None)
-        shown = f"{value:.2f}" if isinstance(value, float) else json.dumps(value)
-        lines.append(
-            f"| {name} | {shown} | {wanted} | "
-            f"{'-' if met is None else 'yes' if met else 'no'} |"
-        )
-    return "\n".join(lines)
