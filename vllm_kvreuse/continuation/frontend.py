@@ -38,7 +38,7 @@ from vllm_kvreuse.continuation.registry import (
 )
 from vllm_kvreuse.core.request_keys import PARENT, carried, seal
 from vllm_kvreuse.core.spec import inherited_keys
-from vllm_kvreuse.core.upstream import lora_request_of
+from vllm_kvreuse.core.upstream.frontend import lora_request_of
 
 CHOICE = "continuation_choice"
 SUFFIX = "continuation_suffix"

@@ -5,7 +5,8 @@ read scheduler state through ``core.scheduler`` and change it only through
 upstream's own methods or the services here, so block ownership stays
 where :mod:`vllm_kvreuse.core.ledger` and upstream say it is. Upstream
 state no public method reaches (queues, seat limits, block tables) is read
-and changed through ``core.upstream`` (:mod:`vllm_kvreuse.core.upstream`),
+and changed through ``core.upstream``
+(:class:`vllm_kvreuse.core.upstream.scheduler.Upstream`),
 whose every attribute is registered and checked per vLLM release.
 """
 
@@ -22,7 +23,7 @@ from vllm_kvreuse.core.internal import InternalRequests
 from vllm_kvreuse.core.ledger import BlockLedger
 from vllm_kvreuse.core.resend import Resends
 from vllm_kvreuse.core.spec import Settings
-from vllm_kvreuse.core.upstream import Upstream
+from vllm_kvreuse.core.upstream.scheduler import Upstream
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler

@@ -26,7 +26,7 @@ from vllm_kvreuse.beam.scheduler.group import Phase
 if TYPE_CHECKING:
     from vllm_kvreuse.beam.scheduler.group import BeamGroup
     from vllm_kvreuse.beam.scheduler.groups import GroupTable
-    from vllm_kvreuse.core.upstream import Upstream
+    from vllm_kvreuse.core.upstream.scheduler import Upstream
 
 
 class Gate:

@@ -31,7 +31,7 @@ from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
 from vllm_kvreuse.beam.scheduler.policies import PlainPolicy
 from vllm_kvreuse.core.request_keys import PARENT
-from vllm_kvreuse.core.upstream import never_stop, share_block_hashes
+from vllm_kvreuse.core.upstream.requests import never_stop, share_block_hashes
 
 
 class Phase(Enum):

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from vllm_kvreuse.beam.scheduler.group import BeamGroup
     from vllm_kvreuse.beam.scheduler.groups import GroupTable
     from vllm_kvreuse.core.context import Core
-    from vllm_kvreuse.core.upstream import Upstream
+    from vllm_kvreuse.core.upstream.scheduler import Upstream
 
 
 def carriers(

@@ -56,7 +56,7 @@ from vllm_kvreuse.chunk_cache.engine.recompute import (
 from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
 from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
 from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.core.upstream import Upstream, block_ids
+from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

@@ -1,24 +1,15 @@
-"""The one seam between the plugin and vLLM's internal state.
+"""The seam to the engine core's scheduler: its KV pool and queues.
 
-Every read and write of upstream scheduler, KV-cache-manager, request and
+Every read and write of upstream scheduler, KV-cache-manager and
 scheduler-output state that the features and services need, beyond what a
 public upstream method does for them, is made here: the block tables and
 their copy-on-write queue, the running and waiting queues and the seat
-limits, a request's private token lists and its block hashes, the step
-output's parallel lists; and, outside the scheduler, the one private
-serving method a renderer needs (a request's LoRA adapter) and the KV
-packing vLLM's CPU attention chose (the device layer reads its caches in
-it). The services (:mod:`.resend`,
-:mod:`.ledger`) and the features call these methods; they decide, this
-module applies.
-
-Each upstream attribute touched here is registered per vLLM release in
-:data:`vllm_kvreuse.patches.upstream_state.UPSTREAM_STATE` (owner class,
-why, and the method's signature or the attribute's presence);
-``tests/unit/test_upstream_state.py`` checks every entry on real upstream
-objects, ``tests/unit/test_private_access.py`` that no other module
-reaches into them (an entry may name a registered patch's own module
-instead) and that the package touches no unregistered private attribute.
+limits, the step output's parallel lists. A request's own private state is
+:mod:`.requests`'s (reached through :class:`Upstream` as well). The
+services (:mod:`vllm_kvreuse.core.resend`, :mod:`vllm_kvreuse.core.ledger`)
+and the features call these methods; they decide, this module applies.
+Each attribute is registered in
+:data:`vllm_kvreuse.patches.upstream_state.UPSTREAM_STATE`.
 
 Invariants (ownership, as upstream keeps it):
 - A block table change moves references, never counts them by hand: a
@@ -31,17 +22,17 @@ Invariants (ownership, as upstream keeps it):
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
+from vllm_kvreuse.core.upstream import requests as request_state
+
 if TYPE_CHECKING:
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -106,95 +97,18 @@ class Upstream:
     def block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
         return block_ids(self._manager, request_id)
 
-    # -- requests ------------------------------------------------------------------
+    # -- requests (:mod:`.requests`) -----------------------------------------------
 
-    @staticmethod
-    def retoken(
-        request: Request,
-        tokens: list[int],
-        num_computed: int,
-        block_hashes: list[Any],
-        sampling_params: SamplingParams | None,
-    ) -> None:
-        """Makes ``tokens`` the request's whole history and prompt, the first
-        ``num_computed`` of them computed, as a streaming update leaves it."""
-        request.prompt_token_ids = tokens.copy()
-        request.num_prompt_tokens = len(tokens)
-        request._all_token_ids[:] = tokens
-        request._output_token_ids.clear()
-        request.num_computed_tokens = num_computed
-        request.spec_token_ids = []
-        request.block_hashes = list(block_hashes)
-        request.update_block_hashes()
-        if sampling_params is not None:
-            request.sampling_params = sampling_params
-
-    @staticmethod
-    def rehash(request: Request, cache_salt: str | None) -> None:
-        """Hashes the request's blocks anew under ``cache_salt`` (call while
-        it holds no blocks: they would keep the old hashes)."""
-        request.cache_salt = cache_salt
-        request.block_hashes = []
-        request.update_block_hashes()
-
-    @staticmethod
-    def hasher_of(request: Request) -> Callable[[Request], list[Any]]:
-        """The request's block hasher (the engine's), to build another
-        request hashed the same way."""
-        return request._block_hasher
-
-    @staticmethod
-    def move_computed(request: Request, num_computed: int) -> None:
-        """Sets the request's computed count (a KV connector loads the
-        tokens it skips; the request is then sent whole, :mod:`.resend`)."""
-        request.num_computed_tokens = num_computed
-
-    @staticmethod
-    def history(request: Request, start: int) -> list[int]:
-        """A copy of the request's tokens from ``start`` on."""
-        return request._all_token_ids[start:]
-
-    @staticmethod
-    def adopt(
-        request: Request,
-        start: int,
-        length: int,
-        history: list[int] | None,
-        token: int,
-    ) -> None:
-        """Makes the request's tokens ``start .. length`` ``history`` (another
-        request's; None: its own stay), and the token at ``length``
-        ``token``: the sample the step appended, appended here if upstream
-        dropped it (a preempted request's output in flight, dropped by a
-        cache reset). Prompt and output lists are rewritten where each
-        holds those positions; computed counts, blocks and hashes stay (the
-        workers copied the KV; blocks past ``start`` hash privately)."""
-        tokens = request._all_token_ids
-        assert len(tokens) >= length, "a step's token count went back"
-        num_prompt = request.num_prompt_tokens
-        if history is not None:
-            assert len(history) == length - start, "histories of two lengths"
-            tokens[start:length] = history
-            prompt = request.prompt_token_ids
-            if prompt is not None and num_prompt > start:
-                prompt[start:num_prompt] = history[: num_prompt - start]
-            first = max(num_prompt, start)
-            request._output_token_ids[first - num_prompt : length - num_prompt] = (
-                history[first - start :]
-            )
-        if len(tokens) == length:
-            request.append_output_token_ids(token)
-        elif tokens[length] != token:
-            tokens[length] = token
-            request._output_token_ids[length - num_prompt] = token
+    retoken = staticmethod(request_state.retoken)
+    rehash = staticmethod(request_state.rehash)
+    hasher_of = staticmethod(request_state.hasher_of)
+    move_computed = staticmethod(request_state.move_computed)
+    history = staticmethod(request_state.history)
+    adopt = staticmethod(request_state.adopt)
 
     def unsample(self, request: Request) -> None:
-        """Takes back the request's last sampled token and the hash of a
-        block it completed: it will compute that position again."""
-        request._all_token_ids.pop()
-        if request._output_token_ids:
-            request._output_token_ids.pop()
-        del request.block_hashes[request.num_tokens // self.hash_block_size :]
+        """Takes back the request's last sampled token (:func:`.requests.unsample`)."""
+        request_state.unsample(request, self.hash_block_size)
 
     # -- queues and seats ----------------------------------------------------------
 
@@ -320,63 +234,6 @@ def block_ids(manager: KVCacheManager, request_id: str) -> tuple[list[int], ...]
     """The request's block ids in each KV-cache group (a connector has the
     manager, :meth:`KVConnectorBase_V1.bind_kv_cache_manager`)."""
     return manager.get_block_ids(request_id)
-
-
-def cpu_attn_isa(dtype: Any, block_size: int, head_size: int, kv_dtype: str) -> str:
-    """The packing vLLM's CPU attention chose for a layer's KV cache (it
-    imports CPU-only code: call on CPU)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return _get_attn_isa(dtype, block_size, head_size, kv_dtype)
-
-
-def lora_request_of(serving: Any, request: Any) -> Any:
-    """The LoRA adapter an OpenAI serving object runs ``request`` with (None:
-    the base model); raises vLLM's not-found error for an unknown model."""
-    return serving._maybe_get_adapters(request)
-
-
-def never_stop(sampling: SamplingParams) -> None:
-    """Clears every stop condition of ``sampling`` (a live beam member stops
-    only when its group aborts it), the derived EOS sets included."""
-    sampling.min_tokens = 0
-    sampling.stop_token_ids = None
-    sampling._eos_token_id = None
-    sampling._all_stop_token_ids = set()
-
-
-def share_block_hashes(
-    request: Request,
-    root: Request,
-    num_hashes: int,
-    private_block_size: int | None = None,
-) -> None:
-    """Gives ``request`` ``root``'s first ``num_hashes`` block hashes and
-    hasher, then hashes its blocks past them (hashes chain, so the hasher
-    continues from the last one). With ``private_block_size`` (the hash
-    block size) every later block gets a random hash instead, which no
-    request's lookup can match: its content may change while it is cached."""
-    request.block_hashes = root.block_hashes[:num_hashes]
-    if private_block_size is None:
-        request._block_hasher = root._block_hasher
-    else:
-        request._block_hasher = _private_hasher(private_block_size)
-    request.update_block_hashes()
-
-
-def _private_hasher(hash_block_size: int) -> Callable[[Request], list[Any]]:
-    def hasher(request: Request) -> list[Any]:
-        """Random hashes for the request's full blocks that have none yet."""
-        blocks = request.num_tokens // hash_block_size
-        return [os.urandom(32) for _ in range(blocks - len(request.block_hashes))]
-
-    return hasher
-
-
-def api_process_count(parallel_config: Any) -> int:
-    """API-server processes in front of this engine (1 unless
-    ``--api-server-count`` or data parallelism started more)."""
-    return parallel_config._api_process_count
 
 
 def referenced_blocks(scheduler: Any) -> Iterator[Any]:
