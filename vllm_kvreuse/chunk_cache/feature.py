@@ -119,14 +119,11 @@ class ChunkCache(Feature):
 
     def before_schedule(self) -> None:
         self._advance_segments()
-        if self.voting.ballots.by_request:
-            self.voting.park()
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         """At a new chunked request's first schedule, its prefill stats (and
         so ``cached_tokens``) count every token it will load from the store
         and that was stored when it arrived, whatever step loads it."""
-        self.voting.unpark()
         if not self._uncounted:
             return
         requests = self.core.scheduler.requests

@@ -12,6 +12,8 @@
 - :mod:`.ledger`: blocks held past their request's life, and inheritance.
 - :mod:`.internal`: requests the plugin adds for itself.
 - :mod:`.resend`: running requests sent whole to the workers again.
+- :mod:`.holds`: requests features hold out of vLLM's queues; the one
+  owner of their moves out and back.
 - :mod:`.upstream`: the one seam to vLLM's internal state, a module a
   side: scheduler, a request's state, frontend, worker (each attribute
   registered per vLLM release).

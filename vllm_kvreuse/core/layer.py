@@ -12,6 +12,10 @@ and calls the features' hooks (:mod:`vllm_kvreuse.core.feature`) in
 :data:`~vllm_kvreuse.features.SPECS` order. Upstream's scheduling
 loop runs unchanged inside ``super()``.
 
+Requests a feature holds (``core.holds``, :mod:`vllm_kvreuse.core.holds`)
+leave vLLM's queues right before upstream's ``schedule()``, after every
+feature's ``before_schedule``, and come back as soon as it returns.
+
 Liveness and containment:
 - a per-request hook that raises fails that request alone
   (``FinishReason.ERROR``); the engine keeps serving everyone else;
@@ -100,6 +104,7 @@ class KVReuseLayer(Scheduler):
         self.kvreuse.client_salts.pop(request.request_id, None)
         self.kvreuse.internal.retire(request.request_id)
         self.kvreuse.resends.forget(request.request_id)
+        self.kvreuse.holds.forget(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
     def _free_blocks(self, request: Request) -> None:
@@ -171,7 +176,11 @@ class KVReuseLayer(Scheduler):
         core.internal.drop_retired()
         core.ledger.released_since_step = False
         self._each("before_schedule")
-        output = super().schedule(*args, **kwargs)
+        core.holds.take_out()
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            core.holds.put_back()
         core.resends.deliver(output)
         self._each("after_schedule", output)
         if self._under_pressure(output):

@@ -84,13 +84,15 @@ def _method(target: str, why: str, signature: str, seam: str = SEAM) -> Upstream
 _QUEUES = (
     _attr(
         f"{_SCHED}.running",
-        "live beam members sit out a schedule() and "
-        "come back at its head; preempted members leave it",
+        "held requests (live beam members sitting out) leave it for a "
+        "schedule() and come back at its head (core/holds.py); stalled "
+        "members are preempted out of it",
     ),
     _attr(
         f"{_SCHED}.waiting",
-        "a beam step that does not fit is parked; so is a chunked request "
-        "waiting for its answer paths' scores",
+        "held requests (a beam step that does not fit, a chunked request "
+        "waiting for its answer paths' scores) leave it for a schedule() and "
+        "come back at its head (core/holds.py)",
     ),
     _attr(
         f"{_SCHED}.kv_holding_waiting",
@@ -98,7 +100,7 @@ _QUEUES = (
     ),
     _attr(
         f"{_SCHED}.max_num_running_reqs",
-        "a held member keeps its seat: "
+        "a held running request keeps its seat: "
         "the limit shrinks while it sits out; a live width must fit it",
     ),
     _attr(
@@ -127,11 +129,13 @@ _QUEUES = (
         "block accounting: references upstream keeps for a step in flight",
     ),
     _method(
-        f"{_QUEUE}.remove_requests", "parks a step's members", f"{_ITER_REQS} -> None"
+        f"{_QUEUE}.remove_requests",
+        "takes held requests out for a schedule()",
+        f"{_ITER_REQS} -> None",
     ),
     _method(
         f"{_QUEUE}.prepend_requests",
-        "puts parked members back at the head",
+        "puts held requests back at the head",
         f"{_ITER_REQS} -> None",
     ),
 )

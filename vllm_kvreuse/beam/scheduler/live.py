@@ -32,8 +32,9 @@ batch) has that sample taken back when its output comes
 :class:`LiveSteps` owns the live-step state that lives between hooks:
 the members held out of one ``schedule()``, the last schedule's held ones,
 and the samples of the output being read that were made outside a group
-step. This module decides, and applies through
-:mod:`vllm_kvreuse.core.upstream`.
+step. This module decides; the core applies (its holds,
+:mod:`vllm_kvreuse.core.holds`, move held members out of the running queue
+and back; :mod:`vllm_kvreuse.core.upstream` changes the requests).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_kvreuse.beam.plan import GroupResult, GroupStep, outside_of, put_outside
 from vllm_kvreuse.beam.policy import Beam, Step
 from vllm_kvreuse.beam.scheduler.group import Phase
+
+REASON = "live member waits for its group"
+"""Why a live member sits out a ``schedule()`` (``core.holds``)."""
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -96,7 +100,7 @@ def to_hold(upstream: Upstream, groups: Iterable[BeamGroup]) -> list[Request]:
     ``schedule()`` (all of them while samples made outside a group step are
     in flight or once its last step is scheduled, else those ready while a
     sibling is not: a sibling still recomputing runs), in queue order: they sit out
-    (:meth:`Upstream.hold`), keeping their seats. A step in flight holds
+    (:meth:`LiveSteps.hold`), keeping their seats. A step in flight holds
     nobody: the workers apply it before they run the next."""
     requests = upstream.requests
     blocked: set[str] = set()
@@ -158,8 +162,8 @@ class LiveSteps:
     (:mod:`~vllm_kvreuse.beam.worker.job`), and the scheduler's requests
     follow.
 
-    Live-step state, changed only here: ``held``, the running members out
-    of one ``schedule()`` (:meth:`hold` before it, :meth:`put_back` after
+    Live-step state, changed only here: ``held``, the running members held
+    out of one ``schedule()`` (:meth:`hold` before it, :meth:`release` after
     it); ``sat_out``, the ids the last ``schedule()`` held (:meth:`stalled`
     reads them under memory pressure); ``outside_now``, the members whose
     sample in the output being read was made outside a group step
@@ -177,18 +181,21 @@ class LiveSteps:
     # -- around one schedule() -----------------------------------------------------
 
     def hold(self, groups: Iterable[BeamGroup]) -> None:
-        """Takes the live groups' members that cannot step whole out of the
-        running queue, seats and all, for one ``schedule()`` (:func:`to_hold`)."""
-        upstream = self.core.upstream
-        self.held = to_hold(upstream, groups)
-        upstream.hold(self.held)
+        """Holds the live groups' members that cannot step whole out of one
+        ``schedule()``, seats and all (:func:`to_hold`; ``core.holds``
+        takes them out of the running queue)."""
+        holds = self.core.holds
+        holds.release_all(REASON)
+        self.held = to_hold(self.core.upstream, groups)
+        for request in self.held:
+            holds.hold(request, REASON)
 
-    def put_back(self) -> None:
-        """Returns the held members to the head of the running queue."""
+    def release(self) -> None:
+        """After the ``schedule()``: the held members run again from the
+        next one (``core.holds`` has put them back at the head)."""
         self.sat_out = {r.request_id for r in self.held}
-        if self.held:
-            self.core.upstream.put_back(self.held)
-            self.held = []
+        self.held = []
+        self.core.holds.release_all(REASON)
 
     def plan(
         self, groups: Iterable[BeamGroup], output: SchedulerOutput

@@ -1,9 +1,10 @@
 """Answer paths in the engine core: scoring requests, parking, the winner.
 
 The feature hands a chunked request in ``paths`` mode to :class:`Voting`,
-which spawns one scoring request per document (:mod:`.modes`), keeps the
-request out of each schedule until every path is scored, then makes the
-likeliest path the request's prompt. Nothing here touches KV: paths are
+which spawns one scoring request per document (:mod:`.modes`), holds the
+request out of each schedule until every path is scored (the core's holds,
+:mod:`vllm_kvreuse.core.holds`, for the reason :data:`REASON`), then makes
+the likeliest path the request's prompt. Nothing here touches KV: paths are
 ordinary prompts, cached and found by vLLM's prefix cache.
 
 Ownership: :attr:`Voting.ballots` (the only one changing them) holds each
@@ -19,7 +20,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 from vllm_kvreuse.chunk_cache.paths.modes import Ballot, Ballots, Path, prefix_hasher
 from vllm_kvreuse.core.request_keys import CHUNKS
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from vllm_kvreuse.core.context import Core
     from vllm_kvreuse.core.internal import Spawner
 
+REASON = "waiting for path scores"
+"""Why a chunked request is held (``core.holds``) until it is decided."""
+
 
 class Voting:
     """Chunked requests waiting for their paths' scores."""
@@ -38,7 +42,6 @@ class Voting:
         self.core = core
         self._owner = owner
         self.ballots = Ballots()
-        self._parked: list[Request] = []
         self._counter = itertools.count()
         self.num_decided = 0
 
@@ -52,6 +55,7 @@ class Voting:
             scoring_id = f"kvreuse-path-{number}-{index}-{request.request_id}"
             scoring[scoring_id] = path
         self.ballots.open(request, scoring)
+        self.core.holds.hold(request, REASON)
         for scoring_id, path in scoring.items():
             self.core.internal.spawn(
                 Request(
@@ -78,16 +82,6 @@ class Voting:
                 self._owner,
             )
 
-    def park(self) -> None:
-        """Takes waiting ballots' requests out of the queue for a schedule."""
-        self._parked = self.core.upstream.park(
-            [r for r in self.ballots.waiting() if r.status == RequestStatus.WAITING]
-        )
-
-    def unpark(self) -> None:
-        self.core.upstream.unpark(self._parked)
-        self._parked = []
-
     def on_output(self, output: EngineCoreOutput) -> Request | None:
         """A scoring request's output. Decides its request once every path
         is scored; returns the request if a path ended unscored (it then
@@ -108,12 +102,14 @@ class Voting:
 
     def forget(self, request_id: str) -> None:
         """``request_id`` finished, or gave up its paths: its scoring
-        requests still running are aborted."""
+        requests still running are aborted, and it is held no more."""
         self.core.abort(self.ballots.close(request_id))
+        self.core.holds.release(request_id, REASON)
 
     def _decide(self, ballot: Ballot) -> None:
         request = ballot.request
         self.ballots.close(request.request_id)
+        self.core.holds.release(request.request_id, REASON)
         winner = ballot.winner()
         # From here the request is the chunked request of its path (a
         # continuation of it reads these lengths); its own copy of the

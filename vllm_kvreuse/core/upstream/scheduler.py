@@ -15,15 +15,17 @@ Invariants (ownership, as upstream keeps it):
 - A block table change moves references, never counts them by hand: a
   table entry is one reference, a queued copy's two endpoints one each
   until upstream's next ``schedule()`` drains the queue.
-- Queue edits (:meth:`Upstream.hold`, :meth:`Upstream.park`) are undone by
-  their pair (:meth:`Upstream.put_back`, :meth:`Upstream.unpark`) around a
-  single ``schedule()``.
+- Requests leave vLLM's queues for holding only through
+  :meth:`Upstream.take_out_of_queues`, undone by
+  :meth:`Upstream.put_back_into_queues` around a
+  single ``schedule()``; :class:`vllm_kvreuse.core.holds.Holds` is the only
+  caller of either.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
@@ -139,26 +141,6 @@ class Upstream:
         scheduler = self._scheduler
         return min(scheduler.max_num_running_reqs, scheduler.max_num_active_reqs)
 
-    def hold(self, held: Collection[Request]) -> None:
-        """Takes ``held`` (running) out of the running queue, seats and all,
-        for one ``schedule()``; :meth:`put_back` undoes it."""
-        if not held:
-            return
-        scheduler = self._scheduler
-        gone = set(map(id, held))
-        scheduler.running[:] = [r for r in scheduler.running if id(r) not in gone]
-        scheduler.max_num_running_reqs -= len(held)
-        scheduler.max_num_active_reqs -= len(held)
-
-    def put_back(self, held: list[Request]) -> None:
-        """Returns held requests, and their seats, to the head of the running
-        queue: they have already run this step, so they are the last to be
-        preempted."""
-        scheduler = self._scheduler
-        scheduler.running[:0] = held
-        scheduler.max_num_running_reqs += len(held)
-        scheduler.max_num_active_reqs += len(held)
-
     def preempt(self, requests: list[Request]) -> None:
         """Preempts running ``requests`` as upstream does (out of the running
         queue, blocks freed, back to waiting). Only for requests this step
@@ -169,21 +151,42 @@ class Upstream:
         for request in requests:
             scheduler._preempt_request(request, now)
 
-    def park(self, requests: list[Request]) -> list[Request]:
-        """Takes those of ``requests`` that are in the waiting queue out of it
-        for one ``schedule()``; returns them (the ones to :meth:`unpark`)."""
-        waiting = self._scheduler.waiting
-        present = [request for request in requests if request in waiting]
-        if present:
-            waiting.remove_requests(present)
-        return present
+    # -- holding (for :class:`vllm_kvreuse.core.holds.Holds` alone) ---------------
 
-    def unpark(self, requests: list[Request]) -> None:
-        """Puts parked requests back at the head of the queue, in their order;
-        one finished meanwhile stays out (it left the queue for good)."""
-        back = [request for request in requests if not request.is_finished()]
+    def take_out_of_queues(
+        self, held: Mapping[str, Request]
+    ) -> tuple[list[Request], list[Request]]:
+        """Takes the ``held`` requests (by id) out of the waiting and running
+        queues for one ``schedule()``, a running one with its seat; returns
+        each queue's, in queue order. One in neither queue stays where it is.
+        :meth:`put_back_into_queues` undoes it."""
+        scheduler = self._scheduler
+        waiting = [r for r in scheduler.waiting if held.get(r.request_id) is r]
+        if waiting:
+            scheduler.waiting.remove_requests(waiting)
+        running = [r for r in scheduler.running if held.get(r.request_id) is r]
+        if running:
+            gone = set(map(id, running))
+            scheduler.running[:] = [r for r in scheduler.running if id(r) not in gone]
+            scheduler.max_num_running_reqs -= len(running)
+            scheduler.max_num_active_reqs -= len(running)
+        return waiting, running
+
+    def put_back_into_queues(
+        self, waiting: list[Request], running: list[Request]
+    ) -> None:
+        """Returns what :meth:`take_out_of_queues` took, each queue's in its order: the
+        waiting ones to the head of the waiting queue, the running ones (they
+        sat this step out: last to be preempted) to the head of the running
+        queue, and every seat. One finished meanwhile stays out (it left its
+        queue for good)."""
+        scheduler = self._scheduler
+        back = [request for request in waiting if not request.is_finished()]
         if back:
-            self._scheduler.waiting.prepend_requests(reversed(back))
+            scheduler.waiting.prepend_requests(reversed(back))
+        scheduler.running[:0] = [r for r in running if not r.is_finished()]
+        scheduler.max_num_running_reqs += len(running)
+        scheduler.max_num_active_reqs += len(running)
 
     # -- the step's output ---------------------------------------------------------
 
