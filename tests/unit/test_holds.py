@@ -121,6 +121,32 @@ def test_a_parked_request_finished_before_the_schedule_stays_out_of_the_queue(
     driver.check_drained()
 
 
+def test_a_request_waiting_for_a_score_that_never_comes_runs_jointly(
+    model_config: ModelConfig,
+) -> None:
+    """A path's scoring request the engine finishes itself (a failure) sends
+    no output: its request gives up its paths, is held no more, and runs
+    jointly instead of waiting for that score for ever."""
+    driver = Driver(
+        make_full_scheduler(
+            model_config, chunk_attention="paths", max_num_batched_tokens=256
+        )
+    )
+    system, first, second = (list(range(n, n + 24)) for n in (3000, 1000, 2000))
+    prompt = system + first + second + list(range(9000, 9004))
+    driver.add(make_request("r", prompt, 2, kvreuse_chunks=[24, 24, 24]), "chunked")
+    scheduler = driver.scheduler
+    assert "r" in _holds(scheduler)
+    scoring = sorted(rid for rid in scheduler.requests if rid != "r")
+    scheduler.kvreuse.fail(scoring[0], "a hook raised on it")
+    driver.drain(max_steps=30)
+    finals = driver.clients["r"].finals
+    assert [out.finish_reason for out in finals] == [FinishReason.LENGTH]
+    assert scheduler.feature("chunk_cache").voting.num_decided == 0
+    scheduler.reset_prefix_cache(reset_connector=True)
+    driver.check_drained()
+
+
 def _callers(path: Path, names: set[str]) -> list[str]:
     """Where ``path`` calls a method named in ``names`` (``x.name(...)``)."""
     tree = ast.parse(path.read_text())

@@ -97,6 +97,8 @@ class ChunkCache(Feature):
         self._uncounted.discard(request.request_id)
         if request.request_id in self.voting.ballots.by_request:
             self.voting.forget(request.request_id)
+        elif (given_up := self.voting.on_scoring_finish(request)) is not None:
+            self._plan(given_up)
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
         """A path's score; a request whose path ended unscored runs jointly."""

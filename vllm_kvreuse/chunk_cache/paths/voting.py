@@ -10,7 +10,9 @@ ordinary prompts, cached and found by vLLM's prefix cache.
 Ownership: :attr:`Voting.ballots` (the only one changing them) holds each
 waiting request and its scoring requests' ids; a request leaves it when
 decided, when it finishes, or when a scoring request ends without a score
-(it then runs jointly: :meth:`Voting.on_output` returns it to the feature).
+(it then runs jointly: :meth:`Voting.on_output`, or
+:meth:`Voting.on_scoring_finish` for one the engine finished itself,
+returns it to the feature).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.paths.modes import Ballot, Ballots, Path, prefix_hasher
 from vllm_kvreuse.core.request_keys import CHUNKS
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 
 REASON = "waiting for path scores"
 """Why a chunked request is held (``core.holds``) until it is decided."""
+_NO_OUTPUT = (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED)
+"""How the engine itself finishes an internal request: with no output."""
 
 
 class Voting:
@@ -98,6 +102,17 @@ class Voting:
         if output.finish_reason is None:
             return None
         self.forget(ballot.request.request_id)  # ended without its score
+        return ballot.request
+
+    def on_scoring_finish(self, scoring: Request) -> Request | None:
+        """A scoring request is freed. One the engine finished itself (a
+        failure, an abort) sends no output to :meth:`on_output`: its request
+        gives up its paths and is returned (it then runs jointly), or it
+        would wait for that score for ever."""
+        ballot = self.ballots.ballot_of(scoring.request_id)
+        if ballot is None or scoring.status not in _NO_OUTPUT:
+            return None
+        self.forget(ballot.request.request_id)
         return ballot.request
 
     def forget(self, request_id: str) -> None:
