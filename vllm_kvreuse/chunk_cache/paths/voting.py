@@ -25,6 +25,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.paths.modes import Ballot, Ballots, Path, prefix_hasher
+from vllm_kvreuse.core.internal import derived_request
 from vllm_kvreuse.core.request_keys import CHUNKS
 
 if TYPE_CHECKING:
@@ -61,30 +62,20 @@ class Voting:
         self.ballots.open(request, scoring)
         self.core.holds.hold(request, REASON)
         for scoring_id, path in scoring.items():
-            self.core.internal.spawn(
-                Request(
-                    request_id=scoring_id,
-                    prompt_token_ids=path.tokens,
-                    # The question's log-probs, from rows the prefix cache
-                    # cannot hold (past the document, blocks hash at random).
-                    sampling_params=SamplingParams(
-                        max_tokens=1,
-                        temperature=0.0,
-                        prompt_logprobs=0,
-                        skip_reading_prefix_cache=False,
-                        detokenize=False,
-                    ),
-                    pooling_params=None,
-                    client_index=request.client_index,
-                    lora_request=request.lora_request,
-                    cache_salt=request.cache_salt,
-                    priority=request.priority,
-                    block_hasher=prefix_hasher(
-                        hasher, upstream.hash_block_size, path.prefix
-                    ),
-                ),
-                self._owner,
+            # The question's log-probs, from rows the prefix cache cannot
+            # hold (past the document, blocks hash at random).
+            params = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                prompt_logprobs=0,
+                skip_reading_prefix_cache=False,
+                detokenize=False,
             )
+            hashes = prefix_hasher(hasher, upstream.hash_block_size, path.prefix)
+            scoring_request = derived_request(
+                request, scoring_id, path.tokens, params, hashes
+            )
+            self.core.internal.spawn(scoring_request, self._owner)
 
     def on_output(self, output: EngineCoreOutput) -> Request | None:
         """A scoring request's output. Decides its request once every path
