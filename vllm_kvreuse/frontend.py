@@ -18,8 +18,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse import request_args
-from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.core.spec import FeatureSpec, hooks
+from vllm_kvreuse.core.spec import FeatureSpec, hooks, settings_of
 from vllm_kvreuse.features import SPECS
 
 PROMPTLESS_FIELDS = tuple(name for spec in SPECS for name in spec.promptless_fields)
@@ -47,7 +46,7 @@ def _renderers(field: str) -> tuple[Callable[..., Any], ...]:
 
 def validate_extra_args(extra_args: dict[str, Any] | None, vllm_config: Any) -> None:
     """Raises ``VLLMValidationError`` (HTTP 400) for a bad plugin key."""
-    enabled = KVReuseConfig.from_vllm_config(vllm_config).enabled
+    enabled = settings_of(vllm_config).enabled
     try:
         request_args.validate(extra_args, enabled)  # type: ignore[arg-type]
     except request_args.BadRequestArgs as e:

@@ -29,8 +29,8 @@ from vllm_kvreuse.beam.catalog.load import engine_catalog
 from vllm_kvreuse.beam.metrics import count_beam_group
 from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.beam.result import BeamOut, decode
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.request_keys import BEAM, PARENT, seal
+from vllm_kvreuse.core.spec import settings_of
 
 
 def check_fits(prompt_len: int, params: BeamSearchParams, vllm_config: Any) -> None:
@@ -238,7 +238,7 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         **kwargs: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         engine = self.engine_client
-        enabled = KVReuseConfig.from_vllm_config(engine.vllm_config).engine_beam_search
+        enabled = settings_of(engine.vllm_config).engine_beam_search
         if not enabled or prompt.get("type") != "token":
             refuse_catalog_here(params)
             async for output in original(
@@ -332,7 +332,7 @@ def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
     ) -> list[BeamSearchOutput]:
         vllm_config = self.llm_engine.vllm_config
         inputs = engine_inputs(self, prompts)
-        if not KVReuseConfig.from_vllm_config(vllm_config).engine_beam_search or any(
+        if not settings_of(vllm_config).engine_beam_search or any(
             engine_input["type"] != "token" for engine_input in inputs
         ):
             refuse_catalog_here(params)

@@ -23,7 +23,6 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import SamplingParams
 
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.continuation import params, remote
 from vllm_kvreuse.continuation.engine import RELEASE_EXPIRED
 from vllm_kvreuse.continuation.metrics import count_continuation
@@ -37,7 +36,7 @@ from vllm_kvreuse.continuation.registry import (
     track,
 )
 from vllm_kvreuse.core.request_keys import PARENT, carried, seal
-from vllm_kvreuse.core.spec import inherited_keys
+from vllm_kvreuse.core.spec import inherited_keys, settings_of
 from vllm_kvreuse.core.upstream.frontend import lora_request_of
 
 CHOICE = "continuation_choice"
@@ -57,7 +56,7 @@ def wrap_engine_client_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        config = KVReuseConfig.from_vllm_config(self.vllm_config)
+        config = settings_of(self.vllm_config)
         if not config.enable_continuation:
             return
         engine_core = self.engine_core
@@ -219,7 +218,7 @@ async def resolve_http(
         raise BadContinuation(
             f"{CONTINUATION_OF} needs a server started with --enable-continuation"
         )
-    config = KVReuseConfig.from_vllm_config(engine.vllm_config)
+    config = settings_of(engine.vllm_config)
     choice = _choice(body)
     try:
         record = registry.find_response(
@@ -348,7 +347,7 @@ def make_async_generate_continuation(_: None) -> Callable[..., Any]:
         Waits (up to ``--continuation-wait-timeout``) for a parent that is
         still running. Other keyword arguments go to ``generate``.
         """
-        config = KVReuseConfig.from_vllm_config(self.vllm_config)
+        config = settings_of(self.vllm_config)
         registry = engine_registry(self)
         record = registry.find(
             parent_request_id, choice, cache_salt, config.retain_kv_ttl
