@@ -30,11 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
-from vllm_kvreuse.chunk_cache.engine.recompute import (
-    REQUEST_KEY,
-    Recompute,
-    parse_recompute,
-)
+from vllm_kvreuse.chunk_cache.engine.recompute import REQUEST_KEY, Recompute
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.paths import modes
 from vllm_kvreuse.chunk_cache.paths.voting import Voting
@@ -188,10 +184,11 @@ class ChunkCache(Feature):
 
 
 def _attention_of(request: Request, default: str) -> str:
-    """The request's own attention mode, else the server's."""
+    """The request's own attention mode, else the server's (parsed in the
+    frontend: read as it is)."""
     extra_args = request.sampling_params.extra_args or {}
     value = extra_args.get(modes.REQUEST_KEY)
-    return default if value is None else modes.parse_attention(value)
+    return default if value is None else value
 
 
 def _may_take_paths(request: Request) -> bool:
@@ -206,7 +203,8 @@ def _may_take_paths(request: Request) -> bool:
 
 
 def _recompute_of(request: Request) -> Recompute | None:
-    """The request's own recompute settings; None: the server's."""
+    """The request's own recompute settings; None: the server's (parsed in
+    the frontend: carried whole)."""
     extra_args = request.sampling_params.extra_args or {}
     value = extra_args.get(REQUEST_KEY)
-    return None if value is None else parse_recompute(value)
+    return None if value is None else Recompute(**value)

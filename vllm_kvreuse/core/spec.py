@@ -62,6 +62,13 @@ class ArgKey:
     ``owner`` is the spec name of the feature that reads it, or ``core``.
     An internal key (not ``public``) is defined in
     :mod:`vllm_kvreuse.core.request_keys`, which seals what the plugin writes.
+
+    ``parse`` checks a value (``ValueError``, ``TypeError``) and returns it
+    as the engine reads it: plain data (it crosses processes in
+    ``extra_args``), the same when parsed again. The frontend's validation
+    (:func:`vllm_kvreuse.request_args.validate`) carries it in the request's
+    ``extra_args``: the one parse a key gets; the engine reads what it
+    carries as it is.
     """
 
     name: str
