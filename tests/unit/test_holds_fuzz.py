@@ -45,7 +45,7 @@ from tests.unit.conftest import make_request
 from tests.unit.scheduler_driver import EOS, Driver, make_full_scheduler
 from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.beam.scheduler.gate import REASON as STEP_DOES_NOT_FIT
-from vllm_kvreuse.beam.scheduler.live import REASON as SITS_OUT
+from vllm_kvreuse.beam.scheduler.sit_out import REASON as SITS_OUT
 from vllm_kvreuse.chunk_cache.paths.voting import REASON as WAITS_FOR_SCORES
 
 SYSTEM = list(range(3000, 3008))

@@ -57,7 +57,7 @@ from vllm_kvreuse.beam.plan import (
     steps_of,
 )
 from vllm_kvreuse.beam.policy import BeamConfig, best
-from vllm_kvreuse.beam.scheduler import live
+from vllm_kvreuse.beam.scheduler import sit_out
 from vllm_kvreuse.beam.scheduler.fork import ForkSteps
 from vllm_kvreuse.beam.scheduler.gate import Gate
 from vllm_kvreuse.beam.scheduler.group import BeamGroup, Phase
@@ -131,7 +131,7 @@ class EngineBeamSearch(Feature):
         group = self.groups.get(request.request_id)
         if group is None or group.phase is not Phase.LIVE:
             return num_new_tokens
-        return live.cap(request, num_computed_tokens, num_new_tokens)
+        return sit_out.cap(request, num_computed_tokens, num_new_tokens)
 
     # -- steps -----------------------------------------------------------------
 
