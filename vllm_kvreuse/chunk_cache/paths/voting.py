@@ -1,4 +1,4 @@
-"""Answer paths in the engine core: scoring requests, parking, the winner.
+"""Answer paths in the engine core: scoring requests, the request held, the winner.
 
 The feature hands a chunked request in ``paths`` mode to :class:`Voting`,
 which spawns one scoring request per document (:mod:`.modes`), holds the
