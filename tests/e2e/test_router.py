@@ -6,6 +6,9 @@ router"), so a child must reach its parent's instance. With
 its children it does; without the header a child is routed on its own and
 may land on the other instance (404). The router's per-worker counter
 (``vllm_router_processed_requests_total``) says where each request went.
+
+Both share one chunk store (a real Valkey server): a document one computes
+the other loads; with the store killed, both compute and answer the same.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import pytest
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
 from vllm_kvreuse.testing.router import ROUTER, Router
+from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
+from vllm_kvreuse.testing.valkey import ValkeyServer
 
 pytestmark = [
     pytest.mark.e2e,
@@ -45,21 +50,23 @@ MIN_SESSIONS, MAX_SESSIONS = 6, 24
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
+def store(tmp_path_factory) -> Iterator[ValkeyServer]:
+    log = tmp_path_factory.mktemp("valkey") / "valkey.log"
+    with ValkeyServer(log_path=log, maxmemory_mib=256) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def servers(
+    model_dir: str, store: ValkeyServer, tmp_path_factory
+) -> Iterator[tuple[Server, Server]]:
     logs = tmp_path_factory.mktemp("router")
-    first = Server(
-        model_dir, *EVERY_FEATURE, log_path=logs / "a.log", block_size=BLOCK_SIZE
-    )
-    try:
-        second = Server(
-            model_dir, *EVERY_FEATURE, log_path=logs / "b.log", block_size=BLOCK_SIZE
-        )
-    except Exception:
-        first.close()
-        raise
-    yield first, second
-    second.close()
-    first.close()
+    args = [*EVERY_FEATURE, "--chunk-cache-remote-url", store.url]
+    specs = [ServerSpec(name, model_dir, args, block_size=BLOCK_SIZE) for name in "ab"]
+    started = start_servers(specs, logs, ready_timeout=300)
+    yield started["a"], started["b"]
+    for server in started.values():
+        server.close()
 
 
 def start_router(servers: tuple[Server, Server], policy: str, tmp_path_factory):
@@ -212,3 +219,53 @@ def test_without_the_header_consistent_hash_routes_children_alike(
             break
     assert len(child_servers) == 1, child_servers
     assert 404 in statuses, statuses
+
+
+def rag_body(first: int) -> dict[str, Any]:
+    """A chunked prompt: a system prompt, two documents of their own, a
+    question (and the empty ``prompt`` vllm-router requires)."""
+    system, question = list(range(100, 140)), list(range(400, 410))
+    documents = [list(range(first + 80 * n, first + 80 * n + 70)) for n in (0, 1)]
+    return {
+        "model": SERVED_MODEL, "prompt": "", "chunks": [system, *documents, question],
+        "max_tokens": 6, "temperature": 0.0, "logprobs": 2,
+    }  # fmt: skip
+
+
+def remote_hits(servers: tuple[Server, Server]) -> float:
+    return sum(s.metric("vllm_kvreuse:chunk_cache_remote_hits_total") for s in servers)
+
+
+def test_a_document_one_server_computed_the_other_loads(servers, round_robin) -> None:
+    """round_robin alternates: the second server finds the first one's
+    documents in the shared store and answers as the first did."""
+    hits = remote_hits(servers)
+    status, first, computed_on = send(round_robin, "/v1/completions", rag_body(1000))
+    assert status == 200, first
+    status, second, loaded_on = send(round_robin, "/v1/completions", rag_body(1000))
+    assert status == 200, second
+    assert loaded_on != computed_on
+    assert remote_hits(servers) - hits >= 2  # both documents
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
+
+
+def test_with_the_store_killed_every_request_is_answered(
+    servers, round_robin, store
+) -> None:
+    """The shared store dies mid-run: servers compute what they would have
+    loaded, answer 200 and as an ordinary prompt is answered (last in this
+    module: the store stays dead)."""
+    status, _, _ = send(round_robin, "/v1/completions", rag_body(1400))
+    assert status == 200
+    store.kill()
+    for first in (1400, 1800, 1400):
+        body = rag_body(first)
+        status, reply, _ = send(round_robin, "/v1/completions", body)
+        assert status == 200, reply
+        chunks = body.pop("chunks")
+        plain = {**body, "prompt": [t for chunk in chunks for t in chunk]}
+        body["chunks"] = chunks
+        status, ordinary, _ = send(round_robin, "/v1/completions", plain)
+        assert status == 200, ordinary
+        assert reply["choices"][0]["text"] == ordinary["choices"][0]["text"]

@@ -310,7 +310,9 @@ class Driver:
         meta = output.kv_connector_metadata
         self.seen["chunk loads"] += len(meta.loads)
         self.seen["chunk saves"] += len(meta.saves)
-        self.seen["chunk demotions"] += sum(op.kind == "demote" for op in meta.ops)
+        self.seen["chunk demotions"] += sum(
+            (op.kind, op.target) == ("move", "cpu") for op in meta.ops
+        )
         self.seen["upstream preemptions"] += len(output.preempted_req_ids)
         self.seen["copy-on-write forks"] += len(output.kv_cache_block_copies or ())
         self.seen["two batches in flight"] += len(self._in_flight) > 1

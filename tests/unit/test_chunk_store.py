@@ -1,4 +1,4 @@
-"""The chunk store: its LRU index over two tiers, its owner's pins and
+"""The chunk store: its LRU index over the tiers, its owner's pins and
 reservations, and the origins and salts that keep loads and prefix caching
 exact."""
 
@@ -43,7 +43,8 @@ def test_device_evictions_are_demoted_when_the_cpu_tier_has_room() -> None:
     ready(store, b"a", 40)
     assert reserve(store, b"b", 40)
     assert store.get(b"a").tier == "cpu"
-    assert [(op.kind, op.key) for op in store.take_ops()] == [("demote", b"a")]
+    moves = [(op.kind, op.key, op.source, op.target) for op in store.take_ops()]
+    assert moves == [("move", b"a", "device", "cpu")]
 
 
 def test_pinned_or_oversized_chunks_are_refused_without_changes() -> None:

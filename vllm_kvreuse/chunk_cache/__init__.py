@@ -9,7 +9,9 @@ Four concepts, a sub-package each, and what they share:
   endpoint's utility;
 - ``worker/``: the workers' side: stored chunk tensors, loads and saves, the
   model's RoPE;
-- ``paths/``: answer paths (``--chunk-attention paths``) and their voting.
+- ``paths/``: answer paths (``--chunk-attention paths``) and their voting;
+- ``tiers/``: the store's tiers below memory (disk, the shared store), as
+  bytes both sides read: the blob format, files, the shared store's client.
 
 Shared by them, at the top:
 

@@ -9,16 +9,18 @@ side that owns the work:
 Data flow: the feature (:mod:`.feature`) plans chunked requests on the
 scheduler side → ``build_connector_meta`` packs a step's loads, saves and
 store decisions → the workers carry them out. Loads are synchronous (see
-:mod:`.engine.planner` for why), so nothing flows back but load errors.
+:mod:`.engine.planner` for why), so nothing flows back but load errors and
+the chunks a tier lost (``build_connector_worker_meta`` →
+``update_connector_output``).
 
 Cost when unused: the scheduler side builds an empty :class:`~.engine.plan.ChunkMeta`
 in O(1) (vLLM requires one each step) and the worker binds only non-empty
 metadata, so a step that loads and saves nothing makes no per-layer call and
 no worker-side chunk call (docs/chunk_cache.md, "Cost when unused").
 
-Threads: none of its own (loads and saves run on the worker's thread), which
-:mod:`vllm_kvreuse.device.cpu_cores` relies on for every connector of the
-plugin.
+Threads: loads and saves run on the worker's thread; one I/O thread writes
+to the disk tier and the shared store when they are set
+(:mod:`.worker.tiers`).
 
 Block ownership: the connector never owns KV blocks. It writes into blocks
 vLLM allocated to the loading request and reads a request's blocks in the
@@ -38,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
 
-from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta
+from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta, ChunkWorkerReport
 from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
 from vllm_kvreuse.chunk_cache.engine.stats import ChunkCachePromMetrics, ChunkCacheStats
 from vllm_kvreuse.chunk_cache.worker.chunks import ChunkWorker
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -107,6 +110,10 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._sched.request_finished(request)
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' report of the step (chunks a tier lost, failed loads)."""
+        self._sched.update_connector_output(connector_output)
 
     def reset_cache(self) -> bool:
         """Evicts every unpinned chunk (``reset_prefix_cache`` with
@@ -177,6 +184,18 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self.worker_side else set()
+
+    def shutdown(self) -> None:
+        """Finishes the writes to disk and the shared store in flight."""
+        if self.worker_side is not None:
+            self.worker_side.close()
+
+    def build_connector_worker_meta(self) -> ChunkWorkerReport | None:
+        """Chunks a tier could not give this worker since the last step."""
+        if self.worker_side is None:
+            return None
+        lost = self.worker_side.take_lost()
+        return ChunkWorkerReport(lost) if lost else None
 
 
 def find_chunk_connector(connector: object) -> KVReuseChunkConnector | None:

@@ -66,7 +66,10 @@ def attach_chunk_connector(engine_args: Any, settings: Settings) -> None:
     (0 for every other), so a chunked request always loads its planned
     chunks and an ordinary one is answered by the user's connector. Every
     child sees every save. Idempotent: a config that already has the chunk
-    connector is left as it is.
+    connector is left as it is. Alone, failed loads are recomputed
+    (``kv_load_failure_policy``); beside a user's connector the user's
+    policy stands (vLLM's default, ``fail``, fails a request whose chunk a
+    tier lost).
     """
     from vllm.config import KVTransferConfig
 
@@ -76,7 +79,11 @@ def attach_chunk_connector(engine_args: Any, settings: Settings) -> None:
     if has_chunk_connector(current):
         return
     if current is None:
-        engine_args.kv_transfer_config = KVTransferConfig(**CHUNK_CHILD)
+        # A chunk a tier cannot give (a damaged file, the shared store down)
+        # fails its load: vLLM then recomputes the request from there.
+        engine_args.kv_transfer_config = KVTransferConfig(
+            **CHUNK_CHILD, kv_load_failure_policy="recompute"
+        )
         return
     engine_args.kv_transfer_config = beside_chunk_connector(current)
 

@@ -116,6 +116,8 @@ class ChunkCache(Feature):
     # -- steps -----------------------------------------------------------------
 
     def before_schedule(self) -> None:
+        for request_id in self.side.take_rolled_back():
+            self.core.resends.resend(request_id)  # recomputes a failed load
         self._advance_segments()
 
     def after_schedule(self, output: SchedulerOutput) -> None:

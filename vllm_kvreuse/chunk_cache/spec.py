@@ -12,9 +12,12 @@ from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
     parse_bool,
+    parse_directory,
     parse_fraction,
     parse_gib,
+    parse_gib_or_auto,
     parse_separator,
+    parse_store_url,
     parse_tokens,
 )
 from vllm_kvreuse.core.request_keys import CHUNKS
@@ -57,10 +60,38 @@ SPEC = FeatureSpec(
         ),
         Option(
             "chunk_cache_cpu_gib",
+            parse_gib_or_auto,
+            "auto",
+            "Chunk-store capacity in host memory (GiB), for chunks moved down "
+            "from the device tier. 'auto' (the default): a tenth of this machine's "
+            "memory, at least 1 GiB and at most 64 GiB; each server on a machine "
+            "takes its own share, so give several servers a size each. 0 turns "
+            "the CPU tier off.",
+        ),
+        Option(
+            "chunk_cache_disk_path",
+            parse_directory,
+            "",
+            "A directory for the disk tier: chunks moved down from the CPU tier "
+            "are written there and outlive the server (a restart reads back the "
+            "chunks of the same model, dtype, block size and parallel layout). "
+            "Empty (the default): no disk tier.",
+        ),
+        Option(
+            "chunk_cache_disk_gib",
             parse_gib,
-            0.0,
-            "Chunk-store capacity in host memory (GiB) for chunks evicted from the "
-            "device tier; 0 turns the CPU tier off.",
+            32.0,
+            "Disk-tier capacity in GiB (with --chunk-cache-disk-path).",
+        ),
+        Option(
+            "chunk_cache_remote_url",
+            parse_store_url,
+            "",
+            "A Valkey or Redis server several servers share as a chunk tier "
+            "(valkey://host:port, redis://host:port): every chunk one server "
+            "stores is written there, and a chunk none of a server's own tiers "
+            "holds is loaded from there. The server's maxmemory and eviction "
+            "policy size it. Empty (the default): none.",
         ),
         Option(
             "chunk_cache_hash",

@@ -90,6 +90,54 @@ def parse_gib(value: Any, name: str) -> float:
     return number
 
 
+def parse_gib_or_auto(value: Any, name: str) -> float | str:
+    """A number of GiB, or ``"auto"`` (sized where it is used)."""
+    if value == "auto":
+        return "auto"
+    try:
+        return parse_gib(value, name)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be 'auto' or a non-negative number of GiB, got {value!r}"
+        ) from None
+
+
+def parse_directory(value: Any, name: str) -> str:
+    """An absolute path to a directory that exists or can be made (made
+    here, so a bad path stops the server at once); ``""`` is off."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a directory path, got {value!r}")
+    if not value:
+        return ""
+    path = os.path.abspath(os.path.expanduser(value))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"{name}: cannot use {value!r} as a directory: {error}"
+        ) from None
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: {value!r} is not a writable directory")
+    return path
+
+
+STORE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
+
+
+def parse_store_url(value: Any, name: str) -> str:
+    """A Valkey or Redis URL (``valkey://host:port``, ``redis://...``,
+    ``unix:///path``); ``""`` is off."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a URL, got {value!r}")
+    scheme, _, rest = value.partition("://")
+    if value and (scheme not in STORE_SCHEMES or not rest):
+        raise ValueError(
+            f"{name} must be a URL with a scheme in {list(STORE_SCHEMES)} "
+            f"(e.g. valkey://127.0.0.1:6379), got {value!r}"
+        )
+    return value
+
+
 def parse_separator(value: Any, name: str) -> str:
     """A non-blank separator, or ``""`` (off)."""
     if not isinstance(value, str) or (value and value.isspace()):

@@ -5,9 +5,11 @@ On CPU, vLLM's ``OMPProcessManager`` keeps some cores free of the workers'
 OpenMP threads (one per worker, for the engine core, which busy-polls the
 workers' replies) and, whenever ``kv_transfer_config`` is set, one more per
 worker for a transfer connector's background threads (NIXL in P/D). The
-plugin's connectors (today the chunk cache's) start no thread: their loads
-run on the worker's thread before the forward pass and their saves after
-it. The extra reservation only costs the model cores; and where it cannot
+plugin's connectors (today the chunk cache's) compute on no thread of their
+own: their loads run on the worker's thread before the forward pass and
+their saves after it; their one background thread, with a disk tier or a
+shared store set, writes files and network messages, waiting on I/O. The
+extra reservation only costs the model cores; and where it cannot
 be met (two cores per worker), vLLM reserves none at all, so the worker's
 OpenMP threads share every core with the polling engine core. On a 2-core
 machine that made every step of every request about 4 times slower with
@@ -22,7 +24,8 @@ other connector (the user's own, or the chunk cache inside a
 still overrides both.
 
 Invariant this relies on: a KV connector of this package
-(``kv_connector_module_path`` under ``vllm_kvreuse``) starts no thread.
+(``kv_connector_module_path`` under ``vllm_kvreuse``) starts no thread that
+computes.
 Platform code, not a feature's: it names no feature and imports nothing of
 the plugin.
 """
@@ -33,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 PLUGIN_PACKAGE = __name__.split(".")[0]
-"""``vllm_kvreuse``: the package whose connectors start no thread."""
+"""``vllm_kvreuse``: the package whose connectors start no computing thread."""
 
 
 def is_plugin_connector(kv_transfer_config: Any) -> bool:

@@ -5,7 +5,8 @@
 - ``server.py``: a real ``vllm serve`` process on a free loopback port;
 - ``server_group.py``: several of them started together, ready together;
 - ``router.py``: a real ``vllm-router`` in front of test servers;
-- ``service.py``: what those two share: a loopback HTTP program, its log,
+- ``valkey.py``: a real Valkey server, the chunk cache's shared store;
+- ``service.py``: what those share: a loopback HTTP program, its log,
   its readiness, its stop;
 - ``processes.py``: HTTP connections pinned to one API-server process;
 - ``kv_caches.py``: per-layer KV caches from vLLM's own allocator;

@@ -5,6 +5,7 @@ hook-layer feature, :mod:`vllm_kvreuse.chunk_cache.feature`).
   connector's scheduler side);
 - ``store.py``: the store's owner: keys, pins, reservations, admin actions;
 - ``index.py``: the index: what is stored where, LRU order, pins, capacity;
+- ``tiers.py``: the tiers' sizes at start, a disk tier read back;
 - ``keys.py``: chunks' content keys, stored chunks' origins, block salts;
 - ``recompute.py``: which chunk tokens a request recomputes (heads, chunks
   chosen by the question, a tail), and its ``chunk_recompute`` field;

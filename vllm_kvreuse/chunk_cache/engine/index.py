@@ -1,31 +1,49 @@
 """The chunk store's index: what is stored where, LRU order, pins, capacity.
 
 The index lives with the scheduler and decides everything: which chunk goes
-in, which is demoted to the CPU tier or evicted. Workers hold the tensors and
-apply its decisions in order (:class:`StoreOp`), so both sides always agree
-on what is stored without a round trip. Only :class:`~.store.ChunkStore`
-changes it.
+in, which moves down a tier or out. Workers hold the bytes and apply its
+decisions in order (:class:`StoreOp`), so both sides always agree on what
+is stored without a round trip. Only :class:`~.store.ChunkStore` changes it.
+
+Tiers, fastest first: ``device`` (the KV cache's device, memory on top of
+it), ``cpu`` (host memory), ``disk`` (files that outlive the server) and
+``remote`` (a store shared by servers, :mod:`..tiers.shared`). One LRU order runs
+across the local tiers: a tier that needs room moves its least recently
+used unpinned chunks to the next tier down (device -> cpu -> disk), and
+evicts them where there is none. A chunk used again moves back up to the
+device tier (:meth:`ChunkIndex.promote`). The shared store is written
+through on save and sizes itself; the index only remembers which of its
+chunks it knows of, at no local cost.
 
 Invariants:
 - ``used[tier]`` is the sum of ``nbytes`` of the tier's entries and never
-  exceeds its capacity.
-- A pinned entry (``pins > 0``) is never demoted or evicted: a request that
+  exceeds its capacity (the remote tier is not counted).
+- A pinned entry (``pins > 0``) never moves down or out: a request that
   will load it, or the request computing it, holds a pin.
 - An entry is *reserved* (``ready`` False) from the moment a request plans
   to compute it in place until that request's save is sent to the workers;
   it counts against capacity and cannot be loaded yet. Its ``owner`` is
   that request.
+- ``shared``: the chunk is (or is being written) in the shared store too.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, Origin
+from vllm_kvreuse.chunk_cache.engine.stats import StoreStats
+from vllm_kvreuse.chunk_cache.tiers.codec import Meta
 
-Tier = Literal["device", "cpu"]
+Tier = Literal["device", "cpu", "disk", "remote"]
+LOCAL_TIERS: tuple[Tier, ...] = ("device", "cpu", "disk")
+BELOW: dict[Tier, Tier] = {"device": "cpu", "cpu": "disk"}
+"""Where a chunk goes when its tier needs room (else it is evicted)."""
+FORGET_AFTER = 8192
+"""Evicted keys remembered, to tell a store too small for its workload."""
 
 
 @dataclass(slots=True)
@@ -42,55 +60,48 @@ class Entry:
     tier: Tier = "device"
     pins: int = 0
     ready: bool = False
+    shared: bool = False
+
+    @property
+    def meta(self) -> Meta:
+        return Meta(self.num_tokens, self.start, self.origin)
 
 
 @dataclass(frozen=True, slots=True)
 class StoreOp:
-    """A decision for the workers: ``demote`` to the CPU tier, or ``evict``."""
+    """A decision for the workers, applied in order before a step's loads:
 
-    kind: Literal["demote", "evict"]
+    - ``move``: the chunk goes from tier ``source`` to ``target`` (down a
+      tier, or up to the device from any; from disk or the shared store
+      that is a read);
+    - ``evict``: the chunk leaves the local tiers;
+    - ``publish``: the chunk is written to the shared store (``meta`` with
+      it), in the background.
+    """
+
+    kind: Literal["move", "evict", "publish"]
     key: ChunkKey
-
-
-def _count(doc: str) -> Any:
-    """A :class:`StoreStats` field: a total from 0, ``doc`` its help."""
-    return field(default=0, metadata={"doc": doc})
-
-
-@dataclass(slots=True)
-class StoreStats:
-    """Chunk-cache counters (totals): each is ``vllm_kvreuse:chunk_cache_<name>``
-    in ``/metrics`` with its doc as help (``stats.COUNTERS``)."""
-
-    hits: int = _count("Chunks of arriving requests found in the chunk store.")
-    misses: int = _count(
-        "Chunks of arriving requests not in the chunk store: computed in place."
-    )
-    hit_tokens: int = _count("Prompt tokens of chunks found in the chunk store.")
-    miss_tokens: int = _count("Prompt tokens of chunks computed in place.")
-    exact_hits: int = _count(
-        "Chunks found stored as computed after the same tokens: loaded as "
-        "full attention computes them."
-    )
-    saved: int = _count("Chunks computed in place and stored.")
-    evictions: int = _count("Chunks evicted from the chunk store (LRU or clear).")
-    refused: int = _count(
-        "Chunks the store could not take (too large, or all pinned): "
-        "computed in place and not stored."
-    )
+    source: Tier | None = None
+    target: Tier | None = None
+    meta: Meta | None = None
 
 
 @dataclass(slots=True)
 class ChunkIndex:
-    """LRU index over two tiers, sized in bytes."""
+    """One LRU index over the tiers, sized in bytes."""
 
     capacity: dict[Tier, int]
     bytes_per_token: int
     entries: OrderedDict[ChunkKey, Entry] = field(default_factory=OrderedDict)
-    used: dict[Tier, int] = field(default_factory=lambda: {"device": 0, "cpu": 0})
+    used: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(LOCAL_TIERS, 0))
     pending_ops: list[StoreOp] = field(default_factory=list)
     stats: StoreStats = field(default_factory=StoreStats)
     num_pinned: int = 0  # entries with pins > 0, kept as pins change
+    evicted: OrderedDict[ChunkKey, float] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        for tier in LOCAL_TIERS:  # a tier not given has no room
+            self.capacity.setdefault(tier, 0)
 
     def get(self, key: ChunkKey) -> Entry | None:
         return self.entries.get(key)
@@ -112,19 +123,18 @@ class ChunkIndex:
 
     @property
     def stored_tokens(self) -> int:
-        return (self.used["device"] + self.used["cpu"]) // self.bytes_per_token
+        return sum(self.used.values()) // self.bytes_per_token
 
     def reserve(
         self, key: ChunkKey, num_tokens: int, start: int, origin: Origin, owner: str
     ) -> bool:
         """Makes room on the device tier and adds ``key`` (pinned, not ready).
 
-        Demotes (or, without room on the CPU tier, evicts) least recently
-        used unpinned entries. False, changing nothing, when the chunk cannot
-        fit: larger than the tier, or everything else pinned.
+        False, changing nothing, when the chunk cannot fit: larger than the
+        tier, or everything else there pinned.
         """
         nbytes = num_tokens * self.bytes_per_token
-        if nbytes > self.capacity["device"] or not self._make_room("device", nbytes):
+        if not self._make_room("device", nbytes):
             self.stats.refused += 1
             return False
         self.entries[key] = Entry(
@@ -134,23 +144,60 @@ class ChunkIndex:
         self.used["device"] += nbytes
         return True
 
+    def add(self, key: ChunkKey, meta: Meta, tier: Tier) -> bool:
+        """Records a ready chunk found on disk at start-up, or in the shared
+        store (``remote``: not counted locally). False where it does not fit."""
+        nbytes = meta.num_tokens * self.bytes_per_token
+        if tier != "remote" and self.used[tier] + nbytes > self.capacity[tier]:
+            return False
+        self.entries[key] = Entry(
+            meta.num_tokens, nbytes, meta.start, meta.origin, owner="", tier=tier,
+            ready=True, shared=tier == "remote",
+        )  # fmt: skip
+        self.entries.move_to_end(key, last=False)  # least recently used
+        if tier != "remote":
+            self.used[tier] += nbytes
+        return True
+
+    def promote(self, key: ChunkKey) -> bool:
+        """Moves a stored (and pinned) chunk up to the device tier, making
+        room there; False, changing nothing, where there is none."""
+        entry = self.entries[key]
+        source = entry.tier
+        if source == "device":
+            return True
+        # Its place below is free for what moves down to make room for it.
+        if source != "remote":
+            self.used[source] -= entry.nbytes
+        entry.tier = "remote"
+        if not self._make_room("device", entry.nbytes):  # moved nothing
+            entry.tier = source
+            if source != "remote":
+                self.used[source] += entry.nbytes
+            return False
+        self.used["device"] += entry.nbytes
+        self.pending_ops.append(StoreOp("move", key, source, "device"))
+        entry.tier = "device"
+        return True
+
     def mark_ready(self, key: ChunkKey) -> None:
         self.entries[key].ready = True
 
     def drop(self, key: ChunkKey) -> None:
         """Forgets ``key`` (a chunk whose computing request ended before
-        saving it); workers evict it."""
+        saving it, or whose bytes could not be read); workers evict it."""
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.num_pinned -= entry.pins > 0
-            self.used[entry.tier] -= entry.nbytes
+            if entry.tier != "remote":
+                self.used[entry.tier] -= entry.nbytes
             self.pending_ops.append(StoreOp("evict", key))
 
     def clear(self) -> int:
         """Evicts every unpinned entry; returns how many."""
         victims = [key for key, entry in self.entries.items() if not entry.pins]
         for key in victims:
-            self._evict(key)
+            self._evict(key, forget_shared=True)
         return len(victims)
 
     def take_ops(self) -> list[StoreOp]:
@@ -160,7 +207,17 @@ class ChunkIndex:
     def bytes_in(self, tier: Tier) -> int:
         return self.used[tier]
 
+    def was_evicted(self, key: ChunkKey, within: float) -> bool:
+        """Whether ``key`` left the store in the last ``within`` seconds."""
+        when = self.evicted.pop(key, None)
+        return when is not None and time.monotonic() - when <= within
+
     def _make_room(self, tier: Tier, nbytes: int) -> bool:
+        """Frees ``nbytes`` on ``tier`` by moving its least recently used
+        unpinned ready chunks down (or out); False, moving nothing, when
+        they are not enough."""
+        if nbytes > self.capacity[tier]:
+            return False
         free = self.capacity[tier] - self.used[tier]
         if free >= nbytes:
             return True
@@ -174,24 +231,44 @@ class ChunkIndex:
         if free < nbytes:
             return False
         for key in victims:
-            if tier == "device" and self._fits_cpu(self.entries[key].nbytes):
-                self._demote(key)
+            below = self._below(tier)
+            entry = self.entries[key]
+            if below is not None and self._make_room(below, entry.nbytes):
+                self._place(key, entry, below)
             else:
                 self._evict(key)
         return True
 
-    def _fits_cpu(self, nbytes: int) -> bool:
-        return nbytes <= self.capacity["cpu"] and self._make_room("cpu", nbytes)
+    def _below(self, tier: Tier) -> Tier | None:
+        """The next tier down that has room at all (a CPU tier of size 0 is
+        skipped: the device tier then moves chunks to disk)."""
+        below = BELOW.get(tier)
+        while below is not None and not self.capacity[below]:
+            below = BELOW.get(below)
+        return below
 
-    def _demote(self, key: ChunkKey) -> None:
+    def _place(self, key: ChunkKey, entry: Entry, tier: Tier) -> None:
+        self.stats.demoted += (entry.tier, tier) == ("device", "cpu")
+        self.stats.spilled += tier == "disk"
+        if entry.tier != "remote":
+            self.used[entry.tier] -= entry.nbytes
+        self.used[tier] += entry.nbytes
+        meta = entry.meta if tier == "disk" else None
+        self.pending_ops.append(StoreOp("move", key, entry.tier, tier, meta))
+        entry.tier = tier
+
+    def _evict(self, key: ChunkKey, forget_shared: bool = False) -> None:
+        """Out of the local tiers; a chunk the shared store holds stays
+        known there (unless ``forget_shared``)."""
         entry = self.entries[key]
-        self.used["device"] -= entry.nbytes
-        self.used["cpu"] += entry.nbytes
-        entry.tier = "cpu"
-        self.pending_ops.append(StoreOp("demote", key))
-
-    def _evict(self, key: ChunkKey) -> None:
-        entry = self.entries.pop(key)
-        self.used[entry.tier] -= entry.nbytes
-        self.stats.evictions += 1
-        self.pending_ops.append(StoreOp("evict", key))
+        if entry.tier != "remote":
+            self.used[entry.tier] -= entry.nbytes
+            self.stats.evictions += 1
+            self.pending_ops.append(StoreOp("evict", key))
+            self.evicted[key] = time.monotonic()
+            while len(self.evicted) > FORGET_AFTER:
+                self.evicted.popitem(last=False)
+        if entry.shared and not forget_shared:
+            entry.tier = "remote"
+        else:
+            del self.entries[key]

@@ -59,6 +59,34 @@ def model_identity(vllm_config: Any) -> tuple[str, ...]:
     )
 
 
+STORE_FORMAT = "chunks-1"
+"""Changes when stored chunk bytes mean something else."""
+
+
+def store_fingerprint(vllm_config: Any) -> str:
+    """What stored chunk bytes on disk or in the shared store depend on
+    beyond their key: the model identity (with its KV dtype), the key hash,
+    the block size, the parallel layout (each rank stores its own heads or
+    layers), the platform and the format. Servers with one fingerprint can
+    read each other's chunks; any other is another directory or namespace."""
+    from vllm.platforms import current_platform
+
+    from vllm_kvreuse.chunk_cache.tiers.codec import fingerprint
+
+    parallel = vllm_config.parallel_config
+    return fingerprint(
+        (
+            *model_identity(vllm_config),
+            vllm_config.cache_config.prefix_caching_hash_algo,
+            vllm_config.cache_config.block_size,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            current_platform.device_type,
+            STORE_FORMAT,
+        )
+    )
+
+
 def chunk_key(
     hasher: Callable[[Any], bytes],
     identity: tuple[str, ...],

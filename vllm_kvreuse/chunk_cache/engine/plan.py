@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from vllm_kvreuse.chunk_cache.engine.index import StoreOp
 from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey
@@ -164,3 +167,17 @@ class ChunkMeta(KVConnectorMetadata):
 
     def __bool__(self) -> bool:
         return bool(self.ops or self.loads or self.saves)
+
+
+@dataclass
+class ChunkWorkerReport(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler side after a step: the chunks a
+    tier could not give them (their loads failed; the scheduler forgets
+    them). vLLM merges every worker's report (:meth:`aggregate`)."""
+
+    lost: set[ChunkKey] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> ChunkWorkerReport:
+        if isinstance(other, ChunkWorkerReport):
+            self.lost |= other.lost
+        return self

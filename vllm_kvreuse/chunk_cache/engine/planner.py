@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex
-from vllm_kvreuse.chunk_cache.engine.keys import Provenance, key_hasher, model_identity
+from vllm_kvreuse.chunk_cache.engine.keys import Provenance
 from vllm_kvreuse.chunk_cache.engine.plan import (
     ChunkMeta,
     ChunkPlan,
+    ChunkWorkerReport,
     LoadSpec,
     PlannedChunk,
     SaveSpec,
@@ -54,7 +54,7 @@ from vllm_kvreuse.chunk_cache.engine.recompute import (
     merge,
 )
 from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
-from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
+from vllm_kvreuse.chunk_cache.engine.tiers import build_store
 from vllm_kvreuse.core.spec import settings_of
 from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
 
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
 
 
 class ChunkScheduler:
@@ -77,20 +78,7 @@ class ChunkScheduler:
             select=settings.chunk_recompute_select,
             tail=settings.chunk_recompute_fraction,
         )
-        kv_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
-        bytes_per_token = kv_bytes // (kv_cache_config.num_blocks * block_size)
-        index = ChunkIndex(
-            capacity={
-                "device": int(kv_bytes * settings.chunk_cache_device_fraction),
-                "cpu": int(settings.chunk_cache_cpu_gib * 2**30),
-            },
-            bytes_per_token=max(bytes_per_token, 1),
-        )
-        self.store = ChunkStore(
-            index,
-            key_hasher(vllm_config, settings.chunk_cache_hash),
-            model_identity(vllm_config),
-        )
+        self.store = build_store(vllm_config, kv_cache_config, block_size, settings)
         self.plans: dict[str, ChunkPlan] = {}
         # requests computing chunks they store, until their last save
         self._computing: dict[str, Request] = {}
@@ -100,6 +88,7 @@ class ChunkScheduler:
         self._offered: dict[str, int] = {}  # request id -> end of the offered load
         self._kv_cache_manager: KVCacheManager | None = None
         self._reported: dict[str, int] = {}
+        self.rolled_back: set[str] = set()
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -119,17 +108,20 @@ class ChunkScheduler:
         lora = getattr(request.lora_request, "lora_name", "")
         chunks: list[PlannedChunk] = []
         spans: list[Span] = []
-        start = 0
-        for length in lengths:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        keys = [
+            self.store.key(request.cache_salt, lora, prompt[a : a + n])
+            for a, n in zip(starts, lengths, strict=True)
+        ]
+        self.store.lookup_shared(keys)
+        for key, start, length in zip(keys, starts, lengths, strict=True):
             tokens = prompt[start : start + length]
-            key = self.store.key(request.cache_salt, lora, tokens)
             chunk, chunk_spans = self._place(
                 key, start, length, provenance, rules, request.request_id
             )
             chunks.append(chunk)
             spans += chunk_spans
             provenance.feed(tokens)
-            start += length
         plan = ChunkPlan(
             chunks,
             user_salt=request.cache_salt,
@@ -165,6 +157,11 @@ class ChunkScheduler:
         entry = self.store.stored(key)
         if entry is not None:
             self.store.pin([key])
+            if self.store.prepare_load(key) is None:  # no room to bring it up
+                self.store.unpin([key])
+                entry = None
+        elif not self.store.is_known(key):
+            self.store.note_miss(key)
         if entry is not None and entry.origin == origin:
             self.store.stats.exact_hits += 1
             return PlannedChunk(key, start, length, stored_start=entry.start), []
@@ -291,6 +288,26 @@ class ChunkScheduler:
 
     def request_finished(self, request: Request) -> None:
         self.release(request.request_id)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """What the workers report: chunks a tier lost are forgotten, and a
+        request whose load failed is planned no further (vLLM recomputes it
+        from the failed block on, as an ordinary request)."""
+        report = output.kv_connector_worker_meta
+        if isinstance(report, ChunkWorkerReport) and report.lost:
+            self.store.lost(report.lost)
+        if output.invalid_block_ids and self._kv_cache_manager is not None:
+            failed = output.invalid_block_ids
+            for request_id in list(self.plans):
+                if failed.intersection(self._block_ids(request_id)):
+                    self.release(request_id)
+                    self.rolled_back.add(request_id)
+
+    def take_rolled_back(self) -> set[str]:
+        """Running requests vLLM took back to a failed load's first block:
+        their workers' copy is stale (the feature resends them)."""
+        rolled_back, self.rolled_back = self.rolled_back, set()
+        return rolled_back
 
     # -- stats -----------------------------------------------------------------
 

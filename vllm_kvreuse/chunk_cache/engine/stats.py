@@ -9,7 +9,7 @@ updates ``/metrics``, and to its log line. No extra channel is opened.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -19,8 +19,55 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_kvreuse.chunk_cache.engine.index import StoreStats
 from vllm_kvreuse.metrics import PREFIX
+
+
+def _count(doc: str) -> Any:
+    """A :class:`StoreStats` field: a total from 0, ``doc`` its help."""
+    return field(default=0, metadata={"doc": doc})
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Chunk-cache counters (totals): each is ``vllm_kvreuse:chunk_cache_<name>``
+    in ``/metrics`` with its doc as help (:data:`COUNTERS`)."""
+
+    hits: int = _count("Chunks of arriving requests found in the chunk store.")
+    misses: int = _count(
+        "Chunks of arriving requests not in the chunk store: computed in place."
+    )
+    hit_tokens: int = _count("Prompt tokens of chunks found in the chunk store.")
+    miss_tokens: int = _count("Prompt tokens of chunks computed in place.")
+    exact_hits: int = _count(
+        "Chunks found stored as computed after the same tokens: loaded as "
+        "full attention computes them."
+    )
+    device_hits: int = _count("Chunks found on the device tier.")
+    cpu_hits: int = _count("Chunks found in the CPU tier (moved up to the device).")
+    disk_hits: int = _count(
+        "Chunks found in the disk tier (read, moved to the device)."
+    )
+    remote_hits: int = _count(
+        "Chunks found in the shared store (read, moved to the device)."
+    )
+    saved: int = _count("Chunks computed in place and stored.")
+    published: int = _count("Chunks written to the shared store.")
+    demoted: int = _count("Chunks moved from the device tier to the CPU tier.")
+    spilled: int = _count("Chunks moved from the CPU tier to the disk tier.")
+    evictions: int = _count("Chunks evicted from the local tiers (LRU or clear).")
+    refused: int = _count(
+        "Chunks the store could not take (too large, or all pinned): "
+        "computed in place and not stored."
+    )
+    load_failures: int = _count(
+        "Loads whose chunk bytes a tier could not give (missing, damaged, the "
+        "shared store down): the request computed them instead."
+    )
+    thrashed: int = _count(
+        "Chunks asked for again soon after the store evicted them: the store "
+        "is too small for the workload."
+    )
+
 
 COUNTERS: dict[str, str] = {
     counter.name: counter.metadata["doc"] for counter in fields(StoreStats)
@@ -32,6 +79,7 @@ GAUGES: dict[str, str] = {
     "pinned": "Chunks pinned (in use, or pinned by an admin).",
     "device_bytes": "Chunk-store bytes on the KV cache's device.",
     "cpu_bytes": "Chunk-store bytes in host memory (CPU tier).",
+    "disk_bytes": "Chunk-store bytes in the disk tier.",
 }
 
 

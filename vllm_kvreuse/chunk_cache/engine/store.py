@@ -10,16 +10,42 @@ Pins: a plan holds one pin on each chunk it loads, from planning until its
 last load is built; a reservation holds one pin for the request computing
 the chunk, until its save is built (:meth:`saved`) or it ends without one
 (:meth:`abandon`); an admin pin holds one until unpinned.
+
+Tiers (:mod:`.index`): a chunk about to be loaded moves up to the device
+tier (:meth:`ChunkStore.prepare_load`); a saved chunk is also written to the
+shared store when one is set (:meth:`saved`); chunks the shared store holds
+are looked up once per request, for the chunks not held locally
+(:meth:`lookup_shared`). A read that failed drops its chunk (:meth:`lost`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex, Entry, StoreOp
+from vllm.logger import init_logger
+
+from vllm_kvreuse.chunk_cache.engine.index import (
+    LOCAL_TIERS,
+    ChunkIndex,
+    Entry,
+    StoreOp,
+    Tier,
+)
 from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, Origin, chunk_key
 from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
+from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
+
+logger = init_logger(__name__)
+
+THRASH_WINDOW = 300.0
+"""A chunk asked for within this many seconds of its eviction counts as
+thrashing (``vllm_kvreuse:chunk_cache_thrashed``)."""
+TOO_SMALL_HINT = (
+    "raise --chunk-cache-cpu-gib, or set --chunk-cache-disk-path (and "
+    "--chunk-cache-disk-gib)"
+)
 
 
 class ChunkStore:
@@ -30,12 +56,15 @@ class ChunkStore:
         index: ChunkIndex,
         hasher: Callable[[Any], bytes],
         identity: tuple[str, ...],
+        shared: SharedStore | None = None,
     ) -> None:
         self.index = index
         self.stats = index.stats
         self._hasher = hasher
         self.identity = identity
+        self.shared = shared
         self._admin_pins: set[ChunkKey] = set()
+        self._warned_at = -THRASH_WINDOW
 
     def key(self, cache_salt: str | None, lora_name: str, tokens: Any) -> ChunkKey:
         """The content key of ``tokens`` for a request's salt and adapter."""
@@ -50,6 +79,53 @@ class ChunkStore:
     def is_known(self, key: ChunkKey) -> bool:
         """Stored, or reserved by a request computing it now."""
         return self.index.get(key) is not None
+
+    def lookup_shared(self, keys: Iterable[ChunkKey]) -> None:
+        """Records which of ``keys`` (those not known locally) the shared
+        store holds: they load from there (one round trip)."""
+        if self.shared is None or not self.shared.available:
+            return
+        unknown = [key for key in dict.fromkeys(keys) if self.index.get(key) is None]
+        for key, meta in self.shared.lookup(unknown).items():
+            self.index.add(key, meta, "remote")
+
+    def prepare_load(self, key: ChunkKey) -> Tier | None:
+        """The tier the stored, pinned ``key`` was found in, after moving it
+        up to the device tier for its load; None where it cannot be loaded
+        now (on disk or in the shared store, and no room on the device)."""
+        entry = self.index.entries[key]
+        found = entry.tier
+        if not self.index.promote(key) and found in ("disk", "remote"):
+            return None
+        self.stats.device_hits += found == "device"
+        self.stats.cpu_hits += found == "cpu"
+        self.stats.disk_hits += found == "disk"
+        self.stats.remote_hits += found == "remote"
+        return found
+
+    def note_miss(self, key: ChunkKey) -> None:
+        """A chunk not in the store: thrashing if it was evicted lately
+        (counted, and said in the log at most once a window)."""
+        if not self.index.was_evicted(key, THRASH_WINDOW):
+            return
+        self.stats.thrashed += 1
+        now = time.monotonic()
+        if now - self._warned_at >= THRASH_WINDOW:
+            self._warned_at = now
+            logger.warning(
+                "chunk cache: chunks evicted in the last %.0f s are asked for "
+                "again (%d so far): the store is too small for this workload; "
+                "%s", THRASH_WINDOW, self.stats.thrashed, TOO_SMALL_HINT,
+            )  # fmt: skip
+
+    def lost(self, keys: Iterable[ChunkKey]) -> None:
+        """Chunks whose bytes a worker could not read: forgotten (their
+        requests compute them)."""
+        for key in keys:
+            self.stats.load_failures += 1
+            entry = self.index.get(key)
+            if entry is not None and not entry.pins:
+                self.index.drop(key)
 
     # -- pins and reservations -------------------------------------------------
 
@@ -75,6 +151,11 @@ class ChunkStore:
         self.index.mark_ready(key)
         self.index.unpin(key)
         self.stats.saved += 1
+        entry = self.index.entries[key]
+        if self.shared is not None and not entry.shared:
+            entry.shared = True
+            self.index.pending_ops.append(StoreOp("publish", key, meta=entry.meta))
+            self.stats.published += 1
 
     def abandon(self, key: ChunkKey, owner: str) -> None:
         """``owner`` ends without saving ``key``: its reservation goes."""
@@ -129,6 +210,7 @@ class ChunkStore:
             "pinned": index.num_pinned,
             "device_bytes": index.bytes_in("device"),
             "cpu_bytes": index.bytes_in("cpu"),
+            "disk_bytes": index.bytes_in("disk"),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -139,6 +221,9 @@ class ChunkStore:
             **counts,
             **self.gauges(),
             "hit_rate": counts["hits"] / looked_up if looked_up else 0.0,
-            "device_capacity_bytes": self.index.capacity["device"],
-            "cpu_capacity_bytes": self.index.capacity["cpu"],
+            **{
+                f"{tier}_capacity_bytes": self.index.capacity[tier]
+                for tier in LOCAL_TIERS
+            },
+            "shared_store": self.shared.url if self.shared is not None else None,
         }

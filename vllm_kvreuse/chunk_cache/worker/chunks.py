@@ -1,8 +1,8 @@
 """The chunk cache's worker side: stored chunk tensors, loads and saves.
 
 Each worker holds the stored chunks (``[layers, 2, n, H, D]`` tensors on the
-KV cache's device, or in host memory for the CPU tier) and applies what the
-scheduler side decided for the step
+KV cache's device, in host memory, on disk or in the shared store:
+:mod:`.tiers`) and applies what the scheduler side decided for the step
 (:class:`~vllm_kvreuse.chunk_cache.engine.plan.ChunkMeta`), in order: store
 decisions and loads before the forward pass, saves after it. Every KV tensor
 access goes through :mod:`vllm_kvreuse.device`.
@@ -19,21 +19,31 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_kvreuse import device
-from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey
+from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, store_fingerprint
 from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta, LoadSpec, SaveSpec
+from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
+from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
+from vllm_kvreuse.chunk_cache.worker.tiers import LocalTiers
+from vllm_kvreuse.core.spec import settings_of
 
 logger = init_logger(__name__)
 
 
 class ChunkWorker:
-    """Stored chunks and the device ops over this worker's KV caches."""
+    """Stored chunks (:class:`~.tiers.LocalTiers`) and the device ops over
+    this worker's KV caches."""
 
     def __init__(self, vllm_config: Any, block_size: int) -> None:
         self._vllm_config = vllm_config
         self.block_size = block_size
         self.ops: device.DeviceOps | None = None
-        self.stored: dict[ChunkKey, torch.Tensor] = {}  # [layers, 2, n, H, D]
+        self.tiers: LocalTiers | None = None
         self._load_errors: set[int] = set()
+
+    @property
+    def stored(self) -> dict[ChunkKey, torch.Tensor]:
+        """The chunks in memory (device and CPU tiers)."""
+        return self.tiers.memory if self.tiers is not None else {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm_kvreuse.chunk_cache.worker.rope import model_rope
@@ -43,58 +53,83 @@ class ChunkWorker:
             kv_caches, context, self.block_size, model_rope(self._vllm_config)
         )
         self.ops.warm_up()  # kernels compile here, at start, not in a request
+        self.tiers = worker_tiers(self._vllm_config, self.ops.device)
 
     def before_forward(self, meta: ChunkMeta) -> None:
-        """Store decisions, then this step's loads."""
+        """Store decisions (publishes wait for the saves), then this step's
+        loads."""
+        assert self.tiers is not None
         for op in meta.ops:
-            if op.kind == "evict":
-                self.stored.pop(op.key, None)
-            elif op.key in self.stored:
-                self.stored[op.key] = self.stored[op.key].to("cpu")
+            if op.kind != "publish":
+                self.tiers.apply(op)
         for load in meta.loads:
             self._load(load)
 
     def after_forward(self, meta: ChunkMeta) -> None:
-        """This step's saves: chunks its forward pass computed."""
+        """This step's saves (chunks its forward pass computed), then their
+        writes to the shared store."""
+        assert self.tiers is not None
         for save in meta.saves:
             self._save(save)
+        for op in meta.ops:
+            if op.kind == "publish":
+                self.tiers.publish(op.key, op.meta)
 
     def take_load_errors(self) -> set[int]:
-        """Blocks whose load failed (vLLM fails or recomputes their requests)."""
+        """Blocks whose load failed (vLLM recomputes their requests)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def close(self) -> None:
+        """Waits for the tiers' background writes."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def take_lost(self) -> set[ChunkKey]:
+        """Chunks this worker could not read since the last call."""
+        return self.tiers.take_lost() if self.tiers is not None else set()
 
     def _block_table(self, block_ids: list[int]) -> torch.Tensor:
         assert self.ops is not None
         return torch.tensor(block_ids, device=self.ops.device)
 
     def _save(self, save: SaveSpec) -> None:
-        assert self.ops is not None
-        self.stored[save.key] = self.ops.save_chunk(
+        assert self.ops is not None and self.tiers is not None
+        chunk = self.ops.save_chunk(
             self._block_table(save.block_ids), save.start, save.length
         )
+        self.tiers.put(save.key, chunk)
 
     def _load(self, load: LoadSpec) -> None:
-        assert self.ops is not None
-        missing = [piece for piece in load.pieces if piece.key not in self.stored]
-        if missing:
-            # The scheduler side admits a load only once every chunk is
-            # saved, so this is a defect; report it the way vLLM expects
-            # (the request fails alone) rather than take the worker down.
-            logger.error(
-                "vllm-kvreuse: %d chunk(s) of request %s are not stored",
-                len(missing),
-                load.request_id,
-            )
-            self._load_errors.update(load.block_ids)
-            return
+        """Every piece of ``load`` whose chunk is here; the blocks of the
+        others are reported (vLLM recomputes from the first of them)."""
+        assert self.ops is not None and self.tiers is not None
         block_ids = self._block_table(load.block_ids)
         for piece in load.pieces:
+            chunk = self.tiers.get(piece.key)
+            if chunk is None:  # lost by its tier (counted by the scheduler)
+                first = piece.dst_start // self.block_size
+                last = (piece.dst_start + piece.count - 1) // self.block_size
+                self._load_errors.update(load.block_ids[first : last + 1])
+                continue
             self.ops.load_chunk(
-                block_ids,
-                piece.dst_start,
-                self.stored[piece.key],
-                piece.src_start,
-                piece.count,
+                block_ids, piece.dst_start, chunk, piece.src_start, piece.count,
                 piece.delta,
-            )
+            )  # fmt: skip
+
+
+def worker_tiers(vllm_config: Any, device_: torch.device) -> LocalTiers:
+    """This worker rank's tiers, from the plugin's settings."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    settings = settings_of(vllm_config)
+    store = store_fingerprint(vllm_config)
+    tp, pp = get_tp_group(), get_pp_group()
+    rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
+    ranks = pp.world_size * tp.world_size
+    disk = shared = None
+    if settings.chunk_cache_disk_path:
+        disk = DiskFiles(settings.chunk_cache_disk_path, store, rank, ranks)
+    if settings.chunk_cache_remote_url:
+        shared = SharedStore(settings.chunk_cache_remote_url, store, rank)
+    return LocalTiers(device_, disk, shared)

@@ -1,0 +1,8 @@
+"""The chunk store's tiers below memory, shared by the engine core (which
+decides) and the workers (which move the bytes).
+
+- ``codec.py``: a stored chunk as one blob (header, checksum, raw bytes),
+  its meta, the store's fingerprint;
+- ``disk.py``: the disk tier: files that outlive the server;
+- ``shared.py``: the shared store several servers use (Valkey or Redis).
+"""
