@@ -2,13 +2,17 @@
 
 Settings travel to every process inside vLLM's own config, as
 ``VllmConfig.additional_config["kvreuse"]``: the API server folds the
-``vllm serve`` flags (or ``LLM(...)`` keyword arguments) into it, and the
-engine core and workers read it back with :meth:`KVReuseConfig.from_vllm_config`.
-No environment variable is involved.
+``vllm serve`` flags (or ``LLM(...)`` keyword arguments) into it. They are
+parsed once, with :meth:`KVReuseConfig.from_vllm_config`, where a process
+builds its ``VllmConfig`` (the ``VllmConfig.__post_init__`` patch,
+:mod:`vllm_kvreuse.engine_args`), which then carries the parsed object to
+every process it is handed to (engine cores, workers); the features read it
+off the config (:func:`vllm_kvreuse.core.spec.settings_of`) and never import
+this module. No environment variable is involved.
 
 Every setting is declared by its feature's spec
 (:class:`~vllm_kvreuse.core.spec.FeatureSpec`); this module loops over
-:data:`vllm_kvreuse.features.SPECS` and names no feature.
+:data:`vllm_kvreuse.features.SPECS` (below it) and names no feature.
 """
 
 from __future__ import annotations

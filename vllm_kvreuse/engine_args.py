@@ -3,9 +3,12 @@ and check them on the finished ``VllmConfig``.
 
 Flow: ``vllm serve --global-cache-hit-threshold 0.5`` (or
 ``LLM(..., global_cache_hit_threshold=0.5)``) → ``EngineArgs.additional_config
-["kvreuse"]`` → ``VllmConfig.additional_config`` → every process. Registered
-in :mod:`vllm_kvreuse.patches`. Names no feature: each feature's engine
-hooks are in its spec (:data:`vllm_kvreuse.features.SPECS`).
+["kvreuse"]`` → ``VllmConfig.additional_config``, parsed once there into a
+:class:`~vllm_kvreuse.config.KVReuseConfig` that the ``VllmConfig`` carries
+(``kvreuse_settings``, read with :func:`~vllm_kvreuse.core.spec.settings_of`)
+to every process it is handed to. Registered in :mod:`vllm_kvreuse.patches`.
+Names no feature: each feature's engine hooks are in its spec
+(:data:`vllm_kvreuse.features.SPECS`), and get the parsed settings.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from vllm_kvreuse.features import SPECS
 
 def attach_features(engine_args: Any) -> None:
     """Each feature's change to the engine arguments, once its settings are
-    folded in (its spec's ``attach_engine_args``), in :data:`SPECS` order."""
+    folded in (its spec's ``attach_engine_args``, given them parsed), in
+    :data:`SPECS` order."""
+    settings = KVReuseConfig.from_vllm_config(engine_args)
     for hook in hooks(SPECS, "attach_engine_args"):
-        hook(engine_args)
+        hook(engine_args, settings)
 
 
 def finalize_vllm_config(vllm_config: Any) -> None:
@@ -49,8 +54,11 @@ def register_features() -> None:
 def wrap_vllm_config_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __post_init__(self: Any) -> None:
         original(self)
-        # Validates the settings at start-up, naming a bad one.
-        enabled = KVReuseConfig.from_vllm_config(self).enabled - {"core"}
+        # Parsed once, here: validates them at start-up, naming a bad one;
+        # the config carries them to every process (core.spec.settings_of).
+        settings = KVReuseConfig.from_vllm_config(self)
+        self.kvreuse_settings = settings
+        enabled = settings.enabled - {"core"}
         if enabled:
             # scheduler.FEATURES_ATTR: its get_scheduler_cls patch reads it.
             self.scheduler_config.kvreuse_features = enabled

@@ -18,8 +18,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_kvreuse import request_args
-from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.core.spec import FeatureSpec, hooks
+from vllm_kvreuse.core.spec import FeatureSpec, hooks, settings_of
 from vllm_kvreuse.features import SPECS
 
 PROMPTLESS_FIELDS = tuple(name for spec in SPECS for name in spec.promptless_fields)
@@ -45,13 +44,15 @@ def _renderers(field: str) -> tuple[Callable[..., Any], ...]:
     return tuple(hooks(RENDER_ORDER, field))
 
 
-def validate_extra_args(extra_args: dict[str, Any] | None, vllm_config: Any) -> None:
-    """Raises ``VLLMValidationError`` (HTTP 400) for a bad plugin key."""
-    enabled = KVReuseConfig.from_vllm_config(vllm_config).enabled
+def validate_extra_args(extra_args: dict[str, Any], vllm_config: Any) -> dict[str, Any]:
+    """``extra_args`` with the plugin's keys parsed, as the engine reads
+    them; ``VLLMValidationError`` (HTTP 400) for a bad plugin key."""
+    enabled = settings_of(vllm_config).enabled
     try:
-        request_args.validate(extra_args, enabled)  # type: ignore[arg-type]
+        parsed = request_args.validate(extra_args, enabled)  # type: ignore[arg-type]
     except request_args.BadRequestArgs as e:
         raise VLLMValidationError(str(e), parameter=e.param) from None
+    return {**extra_args, **parsed}
 
 
 def wrap_to_sampling_params(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -76,12 +77,13 @@ def wrap_to_sampling_params(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def wrap_validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Every request, HTTP or offline, passes the plugin's key table."""
+    """Every request, HTTP or offline, passes the plugin's key table, and
+    carries its keys parsed (a new dict: the caller's stays as it is)."""
 
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and params.extra_args:
-            validate_extra_args(params.extra_args, self.vllm_config)
+            params.extra_args = validate_extra_args(params.extra_args, self.vllm_config)
         return result
 
     return _validate_params

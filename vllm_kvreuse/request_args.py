@@ -17,12 +17,13 @@ or ``core``), a visibility, and a validator:
   key reaches the engine.
 
 :func:`validate` runs in the frontend process for every request, HTTP or
-offline (the ``InputProcessor._validate_params`` patch), parses every key
-it knows (the one parse a request's plugin keys get: the engine reads what
-passed as it is), and refuses public keys whose feature is off on this
-server, with the flag that turns it on. The engine trusts what passed; it
-still contains a failure to the one request (see
-:mod:`vllm_kvreuse.core.layer`).
+offline (the ``InputProcessor._validate_params`` patch, which carries the
+parsed values in the request's ``extra_args``), parses every key it knows
+(the one parse a request's plugin keys get: the engine reads what they
+carry as it is, never parsing them again), and refuses public keys whose
+feature is off on this server, with the flag that turns it on.
+The engine trusts what passed; it still contains a failure to the one
+request (see :mod:`vllm_kvreuse.core.layer`).
 """
 
 from __future__ import annotations
@@ -101,16 +102,19 @@ class KeyTable:
 
     def validate(
         self, extra_args: Mapping[str, Any] | None, enabled: frozenset[Owner]
-    ) -> None:
-        """Raises :class:`BadRequestArgs` for the first bad plugin key.
+    ) -> dict[str, Any]:
+        """Raises :class:`BadRequestArgs` for the first bad plugin key;
+        returns each plugin key's value parsed (``ArgKey.parse``: as the
+        engine reads it), for the caller to carry in the request.
 
         ``enabled``: the features switched on in this server (``core``
         always). A public key set to null, or ``retain_kv`` false, asks for
         nothing and is accepted whatever is enabled.
         """
         if not extra_args:
-            return
+            return {}
         sealed = is_sealed(extra_args)
+        parsed: dict[str, Any] = {}
         for name, value in extra_args.items():
             key = self.by_name.get(name)
             if key is None:
@@ -128,9 +132,10 @@ class KeyTable:
                     name,
                 )
             try:
-                key.parse(value)
+                parsed[name] = key.parse(value)
             except (TypeError, ValueError) as e:
                 raise BadRequestArgs(str(e), name) from None
+        return parsed
 
 
 TABLE = KeyTable(SPECS)

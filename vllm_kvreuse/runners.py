@@ -47,12 +47,9 @@ def prepare_cpu_worker(vllm_config: Any) -> None:
     Without a feature on, the plugin leaves vLLM as it is."""
     from vllm.platforms import current_platform
 
-    from vllm_kvreuse.config import KVReuseConfig
+    from vllm_kvreuse.core.spec import settings_of
 
-    if (
-        current_platform.is_cpu()
-        and KVReuseConfig.from_vllm_config(vllm_config).features
-    ):
+    if current_platform.is_cpu() and settings_of(vllm_config).features:
         from vllm_kvreuse.device.cpu_amx import request_tile_state
 
         request_tile_state()

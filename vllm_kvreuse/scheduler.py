@@ -6,9 +6,9 @@ class. When a feature is switched on (the ``VllmConfig.__post_init__`` patch
 records which on the scheduler config, :data:`FEATURES_ATTR`), that choice
 comes back as :func:`scheduler_class` of it; otherwise untouched.
 
-This module ties the hook layer (:mod:`vllm_kvreuse.core.layer`) to the
-settings table (:mod:`vllm_kvreuse.config`): core imports neither the table
-nor the list of features, so the layer is given how to read the settings.
+The hook layer (:mod:`vllm_kvreuse.core.layer`) reads the plugin's
+settings off the ``VllmConfig``, which carries them parsed
+(:func:`vllm_kvreuse.core.spec.settings_of`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.layer import compose
 
 FEATURES_ATTR = "kvreuse_features"
@@ -26,9 +25,9 @@ scheduler config: the features switched on (absent when none is)."""
 
 
 def scheduler_class(base: type) -> type:
-    """``base`` with the hook layer in front, reading :class:`KVReuseConfig`
-    (the same class for the same ``base``)."""
-    return compose(base, KVReuseConfig.from_vllm_config)
+    """``base`` with the hook layer in front (the same class for the same
+    ``base``)."""
+    return compose(base)
 
 
 def wrap_get_scheduler_cls(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,11 +13,13 @@ reaches the client and checks the invariants after every action.
 from __future__ import annotations
 
 import time
+import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from vllm.config import (
     CacheConfig,
     KVTransferConfig,
@@ -34,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -147,8 +149,10 @@ def fake_model_output(
     """What a model run would return: a token for each request in
     ``sampling``, none for a partial prefill; the step's beam groups run
     through the real worker code on made-up logits (a log-prob row for each
-    request, for fork members). ``variant`` and ``eos`` change the logits
-    and rows, so beams diverge or end.
+    request, for fork members); made-up prompt log-probs for each request in
+    ``sampling`` that asks for them (answer paths' scoring requests).
+    ``variant`` and ``eos`` change the logits and rows, so beams diverge or
+    end and another path wins.
     """
 
     def rows(req_ids: list[str]) -> LogprobsLists:
@@ -161,8 +165,27 @@ def fake_model_output(
             sampled_token_ranks=np.ones(n, dtype=np.int64),
         )
 
-    return made_up_output(
+    out = made_up_output(
         scheduler, output, sampling, SAMPLED, variant, EOS if eos else None, rows
+    )
+    for req_id in sampling:
+        request = scheduler.requests.get(req_id)
+        if request is not None and request.sampling_params.prompt_logprobs is not None:
+            out.prompt_logprobs_dict[req_id] = _prompt_logprobs(request, variant)
+    return out
+
+
+def _prompt_logprobs(request: Request, variant: int) -> LogprobsTensors:
+    """Every prompt row's log-prob of the next prompt token (column 0, as
+    vLLM's V1 runner returns them at the end of a prefill), made up from the
+    request id and ``variant``."""
+    tokens = request.prompt_token_ids or []
+    seed = zlib.crc32(f"{request.request_id}/{variant}".encode())
+    values = [-((seed >> (i % 24)) % 7) / 10 for i in range(len(tokens) - 1)]
+    return LogprobsTensors(
+        logprob_token_ids=torch.tensor(tokens[1:]).reshape(-1, 1),
+        logprobs=torch.tensor(values).reshape(-1, 1),
+        selected_token_ranks=torch.zeros(len(tokens) - 1, dtype=torch.int64),
     )
 
 
@@ -326,6 +349,7 @@ class Driver:
         check_block_accounting(self.scheduler)
         _assert_chunk_index_consistent(self.side)
         _assert_waiting_chunks_pinned(self)
+        _assert_holds_live(self.scheduler)
 
     def check_drained(self) -> None:
         """After a drain and a cache reset: nothing held, nothing owed."""
@@ -353,6 +377,7 @@ class Driver:
         assert not self.side.plans, f"chunk plans {list(self.side.plans)} left"
         internal = list(scheduler.kvreuse.internal.owners)
         assert not internal, f"internal requests never retired: {internal}"
+        assert not len(scheduler.kvreuse.holds), "requests held after drain"
         beam = scheduler.feature("beam")
         assert beam.groups.is_empty(), "beam groups left"
 
@@ -372,6 +397,23 @@ def _assert_progress(driver: Driver) -> None:
         f"no token scheduled for {driver.idle_steps} steps while requests could "
         f"run: {_queues(driver.scheduler)}; last actions: {driver.log[-8:]}"
     )
+
+
+def _assert_holds_live(scheduler: Scheduler) -> None:
+    """Between steps, every held request is live (never a finished one) and
+    in vLLM's queues, and no request is queued twice or queued finished."""
+    holds = scheduler.kvreuse.holds
+    assert holds.taken == ([], []), "held requests still out of their queues"
+    for request in holds.held():
+        assert not request.is_finished(), f"{request.request_id} held finished"
+        assert scheduler.requests.get(request.request_id) is request, (
+            f"{request.request_id} held, unknown to the scheduler"
+        )
+    queued = [*scheduler.waiting, *scheduler.running, *scheduler.kv_holding_waiting]
+    ids = [r.request_id for r in queued]
+    assert len(ids) == len(set(ids)), f"a request queued twice: {_queues(scheduler)}"
+    finished = [r.request_id for r in queued if r.is_finished()]
+    assert not finished, f"finished requests queued: {finished}"
 
 
 def _assert_chunk_index_consistent(side: ChunkScheduler) -> None:

@@ -1,4 +1,4 @@
-"""The package stays readable at once: no file of ``vllm_kvreuse/`` over 400
+"""The package stays readable at once: no file of ``vllm_kvreuse/`` over 350
 lines, no function over 60 (a function counts from its ``def`` to its last
 line, docstring included)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import vllm_kvreuse
 
 PACKAGE = Path(vllm_kvreuse.__file__).parent
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 60
 
 
@@ -18,7 +18,7 @@ def _modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_no_file_is_over_400_lines() -> None:
+def test_no_file_is_over_350_lines() -> None:
     long = {
         path.relative_to(PACKAGE).as_posix(): num_lines
         for path in _modules()

@@ -282,3 +282,36 @@ def test_engine_beams_refuse_speculative_decoding(model_config) -> None:
     with pytest.raises(ValueError, match="speculative decoding"):
         config(speculative_config=speculative)
     config()
+
+
+def test_settings_are_parsed_once_and_carried_by_the_config(
+    model_config, monkeypatch
+) -> None:
+    """Parsed when the ``VllmConfig`` is built, carried by it (pickled with
+    it to engine cores and workers), and read off it afterwards: a request's
+    validation parses no setting."""
+    import pickle
+
+    from vllm.config import VllmConfig
+
+    from vllm_kvreuse.core.spec import settings_of
+    from vllm_kvreuse.frontend import validate_extra_args
+
+    settings = {"enable_continuation": True, "retain_kv_ttl": 30}
+    config = VllmConfig(
+        model_config=model_config,
+        additional_config={ADDITIONAL_CONFIG_KEY: settings},
+    )
+    carried = settings_of(config)
+    assert carried == KVReuseConfig.from_dict(settings)
+    parses: list[object] = []
+    parse = KVReuseConfig.from_dict.__func__
+    monkeypatch.setattr(
+        KVReuseConfig, "from_dict", classmethod(lambda cls, raw: parses.append(raw))
+    )
+    for _ in range(3):
+        assert validate_extra_args({"retain_kv": True}, config)["retain_kv"] is True
+    assert settings_of(config) is carried
+    assert parses == [], "a request parsed the settings again"
+    monkeypatch.setattr(KVReuseConfig, "from_dict", classmethod(parse))
+    assert settings_of(pickle.loads(pickle.dumps(config))) == carried

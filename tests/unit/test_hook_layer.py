@@ -135,7 +135,7 @@ def test_core_imports_nothing_above_it() -> None:
     assert {"vllm_kvreuse.config", "vllm_kvreuse.beam"} <= above
     offenders = [
         f"core/{path.name} imports {name}"
-        for path in (PACKAGE / "core").glob("*.py")
+        for path in (PACKAGE / "core").rglob("*.py")
         for name in _imports_of(path, above)
     ]
     assert offenders == [], "core takes what it needs from above as a parameter"
@@ -187,3 +187,27 @@ def test_hook_names_match_feature_methods() -> None:
     assert set(HOOKS) <= {
         name for name, _ in inspect.getmembers(Feature, inspect.isfunction)
     }
+
+
+def test_an_internal_request_runs_for_its_clients_request() -> None:
+    """Beam members and answer paths' scoring requests are derived from a
+    client's request by one helper: its client index, LoRA adapter, cache
+    salt and priority, so the KV they compute and cache is the client's."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_kvreuse.core.internal import derived_request
+
+    client = make_request("client", list(range(40)), cache_salt="tenant")
+    client.client_index, client.priority = 3, -2
+    client.lora_request = LoRARequest("adapter", 1, "/adapters/one")
+    params = SamplingParams(max_tokens=1)
+    internal = derived_request(client, "internal", [1, 2, 3], params)
+    assert (internal.request_id, internal.prompt_token_ids) == ("internal", [1, 2, 3])
+    assert internal.sampling_params is params
+    assert (internal.client_index, internal.priority) == (3, -2)
+    assert (internal.lora_request, internal.cache_salt) == (
+        client.lora_request,
+        "tenant",
+    )
+    assert internal.block_hashes == []

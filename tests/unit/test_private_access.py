@@ -6,10 +6,10 @@ package and finds each attribute access and whose attribute it is. A
 private name the package does not own is upstream's: it must be registered
 (``UPSTREAM_STATE``, ``RUNNER_STATE``, or a method the hook layer
 overrides, ``SCHEDULER_OVERRIDES``) and touched only in the module its
-entry names (``core/upstream.py`` unless the entry names a registered
-patch's own module). Public upstream state the seam owns is guarded too:
-the scheduler's and KV manager's, anywhere; a request's fields the seam
-rewrites, when written or called.
+entry names (a module of ``core/upstream/``, one a side, unless the entry
+names a registered patch's own module). Public upstream state the seam
+owns is guarded too: the scheduler's and KV manager's, anywhere; a
+request's fields the seam rewrites, when written or called.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from tests.unit.private_access import Access, accesses, is_private, owned_by_package
 from vllm_kvreuse.patches import SCHEDULER_OVERRIDES, UPSTREAM_STATE
 from vllm_kvreuse.patches.runner_state import HOOKS, RUNNER_STATE
-from vllm_kvreuse.patches.upstream_state import SEAM
+from vllm_kvreuse.patches.upstream_state import REQUEST_SEAM, SEAM
 
 LAYER = "vllm_kvreuse.core.layer"
 """The hook layer: the one module that overrides upstream methods."""
@@ -84,7 +84,7 @@ def test_no_unregistered_private_access(found: list[Access]) -> None:
     ]
     assert not unregistered, (
         "register these in patches/upstream_state.py and reach them through "
-        "core/upstream.py (or the registered patch's own module), or use a "
+        "core/upstream/ (or the registered patch's own module), or use a "
         "public upstream method:\n" + "\n".join(unregistered)
     )
 
@@ -113,6 +113,6 @@ def test_the_scan_sees_what_it_must() -> None:
     """The scan's own check: it finds the seam's private reads, names given
     to ``getattr`` by a constant, and an override's ``super()`` call."""
     seen = {(a.module, a.name, a.receiver) for a in accesses()}
-    assert ("vllm_kvreuse.core.upstream", "_all_token_ids", "other") in seen
+    assert (REQUEST_SEAM, "_all_token_ids", "other") in seen
     assert (LAYER, "_free_request", "super") in seen
     assert (HOOKS, "_model_runner_output", "other") in seen

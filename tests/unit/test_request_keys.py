@@ -92,3 +92,91 @@ def test_a_child_carries_what_its_parents_owners_mark() -> None:
     parent = {CHUNKS: [8, 8], PARENT: "p", "retain_kv": True}
     assert carried(parent, keys) == {CHUNKS: [8, 8]}
     assert carried({CHUNKS: None}, keys) == {}
+
+
+# -- parsed once, in the frontend ------------------------------------------------
+
+
+ALL_ON = frozenset({"core", *(spec.name for spec in SPECS)})
+SENT = {
+    "cache_hit_threshold": "0.25",
+    "retain_kv": True,
+    "retain_kv_ttl": "30",
+    "chunk_attention": "paths",
+    "chunk_recompute": "none",
+}
+"""Public keys as a client may send them (numbers as strings, a shorthand)."""
+CARRIED = {
+    "cache_hit_threshold": 0.25,
+    "retain_kv": True,
+    "retain_kv_ttl": 30.0,
+    "chunk_attention": "paths",
+    "chunk_recompute": {"head": 0, "select": 0.0, "tail": 0.0},
+}
+"""The same keys as the engine reads them."""
+ALL_ENABLED = {
+    "enable_chunk_cache": True,
+    "enable_continuation": True,
+    "global_cache_hit_threshold": 0.0,
+}
+"""Settings that switch on every feature whose public key ``SENT`` names."""
+
+
+def test_validation_carries_each_key_parsed_to_the_engine() -> None:
+    """The frontend's validation parses each key into what the request
+    carries (the engine reads it as it is); parsed again, it is the same."""
+    assert TABLE.validate(SENT, ALL_ON) == CARRIED
+    assert TABLE.validate(CARRIED, ALL_ON) == CARRIED, "carried parses to itself"
+    beam = {"width": 2, "max_tokens": 3, "eos_token_id": None}
+    internal = seal({"kvreuse_beam": beam, CHUNKS: (3, 4)})
+    parsed = TABLE.validate(internal, ALL_ON)
+    assert parsed["kvreuse_beam"]["length_penalty"] == 1.0, "defaults filled in"
+    assert parsed[CHUNKS] == [3, 4]
+
+
+def test_a_request_carries_its_keys_parsed() -> None:
+    """Through the ``InputProcessor._validate_params`` patch: the request's
+    params carry the parsed keys in a new dict; the caller's is untouched."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_kvreuse.config import KVReuseConfig
+    from vllm_kvreuse.frontend import wrap_validate_params
+
+    sent = {**SENT, "not_ours": "x"}
+    params = SamplingParams(max_tokens=1, extra_args=sent)
+    config = SimpleNamespace(kvreuse_settings=KVReuseConfig.from_dict(ALL_ENABLED))
+    wrap_validate_params(lambda *_: None)(SimpleNamespace(vllm_config=config), params)
+    assert params.extra_args == {**CARRIED, "not_ours": "x"}
+    assert sent == {**SENT, "not_ours": "x"}
+
+
+PARSER_CALLERS = ("spec.py", "request_args.py", "request_keys.py", "frontend")
+"""Where a key's parser may be named besides its own module: the specs that
+declare it, the table that runs it, and the frontends (their own input)."""
+
+
+def test_the_engine_never_parses_a_key_again() -> None:
+    """No module but the parser's own, the specs, the key table and the
+    frontends names a key's parser: the engine side reads carried values."""
+    parsers = {key.parse.__name__ for key in TABLE.keys}
+    parsers |= {"parse_recompute", "validate_lengths"}
+    named: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if any(part in where for part in PARSER_CALLERS):
+            continue
+        tree = ast.parse(path.read_text())
+        defined = {
+            node.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        named += [
+            f"{where}:{node.lineno} {name}"
+            for node in ast.walk(tree)
+            if (name := getattr(node, "id", None) or getattr(node, "attr", None))
+            in parsers - defined
+        ]
+    assert named == [], "read the value the frontend carried instead"

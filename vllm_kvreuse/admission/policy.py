@@ -33,11 +33,11 @@ def effective_threshold(
 ) -> float:
     """The request's own threshold if it set one, else the global one.
 
-    ``extra_args`` was validated in the frontend; an explicit ``None`` means
-    "not set".
+    ``extra_args`` was parsed in the frontend (the value is a float); an
+    explicit ``None`` means "not set".
     """
     if extra_args is not None and extra_args.get(REQUEST_FIELD) is not None:
-        return float(extra_args[REQUEST_FIELD])
+        return extra_args[REQUEST_FIELD]
     return global_threshold
 
 

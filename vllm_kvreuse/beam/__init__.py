@@ -20,9 +20,9 @@ Shared by them:
 - ``result.py``: how the best beams reach the frontend;
 - ``metrics.py``: its counters in ``/metrics``.
 
-Frontend: ``frontend.py`` (online and offline entry points); ``body.py``
-(the request body's beam fields: strict booleans, ``sid_catalog``, the
-parent).
+Frontend: ``frontend.py`` (online and offline entry points); ``answers.py``
+(the engine's beams as vLLM's beam-search outputs); ``body.py`` (the
+request body's beam fields: strict booleans, ``sid_catalog``, the parent).
 
 Reference code, for tests and benchmarks only, lives in
 :mod:`vllm_kvreuse.testing` (``testing/catalog_reference.py``: the dense

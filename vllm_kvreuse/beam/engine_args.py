@@ -9,21 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.core.spec import Settings, settings_of
 
 
-def attach_catalog_processor(engine_args: Any) -> None:
+def attach_catalog_processor(engine_args: Any, settings: Settings) -> None:
     """``--sid-catalog``: the catalog's logits processor."""
     from vllm_kvreuse.beam.catalog.load import attach_catalog_processor as attach
 
-    attach(engine_args)
+    attach(engine_args, settings)
 
 
 def finalize_vllm_config(vllm_config: Any) -> None:
     """Refuses speculative decoding (a beam step runs in the sampler, which
     a speculative step replaces); the catalog processor of the runner vLLM
     will build (settled on the finished ``VllmConfig``)."""
-    config = KVReuseConfig.from_vllm_config(vllm_config)
+    config = settings_of(vllm_config)
     if config.engine_beam_search and vllm_config.speculative_config is not None:
         raise ValueError(
             "--engine-beam-search does not run with speculative decoding: each "

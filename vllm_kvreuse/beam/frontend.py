@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from vllm import CompletionOutput, RequestOutput
+from vllm import RequestOutput
 from vllm.config import CacheConfig
 from vllm.entrypoints.generate.beam_search.utils import (
     BeamSearchOutput,
-    BeamSearchSequence,
 )
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
@@ -25,12 +24,11 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.utils.math_utils import cdiv
 
+from vllm_kvreuse.beam.answers import beam_output, offline_beam_output
 from vllm_kvreuse.beam.catalog.load import engine_catalog
-from vllm_kvreuse.beam.metrics import count_beam_group
 from vllm_kvreuse.beam.policy import BeamConfig
-from vllm_kvreuse.beam.result import BeamOut, decode
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.request_keys import BEAM, PARENT, seal
+from vllm_kvreuse.core.spec import settings_of
 
 
 def check_fits(prompt_len: int, params: BeamSearchParams, vllm_config: Any) -> None:
@@ -176,58 +174,6 @@ def root_sampling_params(
     )
 
 
-def take_beams(final: RequestOutput) -> list[BeamOut] | None:
-    """The engine's best beams from the root's final output (its stop
-    reason, :mod:`.result`), counted in /metrics; None when the engine
-    turned the search back (threshold, abort, error)."""
-    outputs = final.outputs
-    result = decode(outputs[0].stop_reason) if outputs else None
-    if result is None:
-        return None
-    count_beam_group(result.forks, result.copied_blocks, result.member_computed_tokens)
-    return result.beams
-
-
-def beam_output(
-    final: RequestOutput, prompt: Any, params: BeamSearchParams, tokenizer: Any
-) -> RequestOutput:
-    """The front-end loop's ``RequestOutput`` from the engine's beams."""
-    beams = take_beams(final)
-    if beams is None:  # rejected or aborted: pass the engine's answer on
-        return final
-    eos = tokenizer.eos_token_id
-    outputs = []
-    for index, beam in enumerate(beams):
-        token_ids = beam.token_ids
-        shown = (
-            token_ids[:-1]
-            if token_ids and token_ids[-1] == eos and not params.ignore_eos
-            else token_ids
-        )
-        outputs.append(
-            CompletionOutput(
-                index=index,
-                text=tokenizer.decode(
-                    shown, skip_special_tokens=params.skip_special_tokens
-                ),
-                token_ids=token_ids,
-                cumulative_logprob=beam.cum_logprob,
-                logprobs=None,
-                finish_reason=beam.finish_reason,
-                stop_reason=beam.stop_reason,
-            )
-        )
-    return RequestOutput(
-        request_id=final.request_id,
-        prompt=prompt.get("prompt"),
-        prompt_token_ids=prompt["prompt_token_ids"],
-        prompt_logprobs=None,
-        outputs=outputs,
-        finished=True,
-        num_cached_tokens=final.num_cached_tokens,
-    )
-
-
 def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
     async def beam_search(
         self: Any,
@@ -238,7 +184,7 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         **kwargs: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         engine = self.engine_client
-        enabled = KVReuseConfig.from_vllm_config(engine.vllm_config).engine_beam_search
+        enabled = settings_of(engine.vllm_config).engine_beam_search
         if not enabled or prompt.get("type") != "token":
             refuse_catalog_here(params)
             async for output in original(
@@ -260,50 +206,6 @@ def wrap_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         yield beam_output(final, prompt, params, tokenizer)
 
     return beam_search
-
-
-def offline_beam_output(
-    final: RequestOutput, prompt: Any, params: BeamSearchParams, tokenizer: Any
-) -> BeamSearchOutput:
-    """``LLM.beam_search``'s output for one prompt from the engine's beams.
-
-    Sequences hold prompt + generated tokens, as upstream's; per-token
-    log-probs are not returned (``logprobs`` is empty). A request the engine
-    turned back (cache threshold, abort) gives one sequence: the prompt, with
-    the engine's finish reason.
-    """
-    prompt_ids = list(final.prompt_token_ids or [])
-    beams = take_beams(final)
-    if beams is None:
-        engine_out = final.outputs[0]
-        return BeamSearchOutput(
-            sequences=[
-                BeamSearchSequence(
-                    orig_prompt=prompt,
-                    tokens=prompt_ids,
-                    logprobs=[],
-                    finish_reason=engine_out.finish_reason,
-                    stop_reason=engine_out.stop_reason,
-                )
-            ]
-        )
-    sequences = []
-    for beam in beams:
-        tokens = prompt_ids + beam.token_ids
-        sequences.append(
-            BeamSearchSequence(
-                orig_prompt=prompt,
-                tokens=tokens,
-                logprobs=[],
-                cum_logprob=beam.cum_logprob,
-                text=tokenizer.decode(
-                    tokens, skip_special_tokens=params.skip_special_tokens
-                ),
-                finish_reason=beam.finish_reason,
-                stop_reason=beam.stop_reason,
-            )
-        )
-    return BeamSearchOutput(sequences=sequences)
 
 
 def _tokens_prompt(engine_input: Any) -> TokensPrompt:
@@ -332,7 +234,7 @@ def wrap_llm_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
     ) -> list[BeamSearchOutput]:
         vllm_config = self.llm_engine.vllm_config
         inputs = engine_inputs(self, prompts)
-        if not KVReuseConfig.from_vllm_config(vllm_config).engine_beam_search or any(
+        if not settings_of(vllm_config).engine_beam_search or any(
             engine_input["type"] != "token" for engine_input in inputs
         ):
             refuse_catalog_here(params)

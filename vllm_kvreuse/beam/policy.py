@@ -46,11 +46,17 @@ class BeamConfig:
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None) -> BeamConfig | None:
         """A root request's config as the frontend wrote it; None for any
-        other request. Not checked again: :meth:`parse` checked it when the
-        request passed validation (``vllm_kvreuse.request_args``), the one
-        parse it gets; the group carries the result from then on."""
+        other request. Not checked again: :meth:`parse_carried` checked it
+        when the request passed validation (``vllm_kvreuse.request_args``),
+        the one parse it gets; the group carries the result from then on."""
         raw = (extra_args or {}).get(BEAM)
         return cls(**raw) if raw else None
+
+    @classmethod
+    def parse_carried(cls, raw: Any) -> dict[str, Any]:
+        """``raw`` checked (:meth:`parse`), as the root request carries it to
+        the engine (:meth:`from_extra_args` builds the config from it)."""
+        return cls.parse(raw).to_dict()
 
     @classmethod
     def parse(cls, raw: Any) -> BeamConfig:

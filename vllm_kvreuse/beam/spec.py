@@ -34,7 +34,7 @@ SPEC = FeatureSpec(
             BEAM,
             "beam",
             False,
-            BeamConfig.parse,
+            BeamConfig.parse_carried,
             "A beam-search root request's configuration.",
         ),
         ArgKey(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.core.spec import Settings
 
 CHUNK_CONNECTOR = "KVReuseChunkConnector"
 CHUNK_CONNECTOR_MODULE = "vllm_kvreuse.chunk_cache.connector"
@@ -56,7 +56,7 @@ def has_chunk_connector(kv_transfer_config: Any) -> bool:
     )
 
 
-def attach_chunk_connector(engine_args: Any) -> None:
+def attach_chunk_connector(engine_args: Any, settings: Settings) -> None:
     """Puts the chunk-cache connector in ``kv_transfer_config`` when enabled.
 
     Without a user connector it takes the slot alone. Beside one
@@ -73,7 +73,7 @@ def attach_chunk_connector(engine_args: Any) -> None:
     """
     from vllm.config import KVTransferConfig
 
-    if not KVReuseConfig.from_vllm_config(engine_args).enable_chunk_cache:
+    if not settings.enable_chunk_cache:
         return
     current = engine_args.kv_transfer_config
     if has_chunk_connector(current):

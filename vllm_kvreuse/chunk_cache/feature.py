@@ -30,11 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
-from vllm_kvreuse.chunk_cache.engine.recompute import (
-    REQUEST_KEY,
-    Recompute,
-    parse_recompute,
-)
+from vllm_kvreuse.chunk_cache.engine.recompute import REQUEST_KEY, Recompute
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.paths import modes
 from vllm_kvreuse.chunk_cache.paths.voting import Voting
@@ -97,6 +93,8 @@ class ChunkCache(Feature):
         self._uncounted.discard(request.request_id)
         if request.request_id in self.voting.ballots.by_request:
             self.voting.forget(request.request_id)
+        elif (given_up := self.voting.on_scoring_finish(request)) is not None:
+            self._plan(given_up)
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
         """A path's score; a request whose path ended unscored runs jointly."""
@@ -121,14 +119,11 @@ class ChunkCache(Feature):
         for request_id in self.side.take_rolled_back():
             self.core.resends.resend(request_id)  # recomputes a failed load
         self._advance_segments()
-        if self.voting.ballots.by_request:
-            self.voting.park()
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         """At a new chunked request's first schedule, its prefill stats (and
         so ``cached_tokens``) count every token it will load from the store
         and that was stored when it arrived, whatever step loads it."""
-        self.voting.unpark()
         if not self._uncounted:
             return
         requests = self.core.scheduler.requests
@@ -191,10 +186,11 @@ class ChunkCache(Feature):
 
 
 def _attention_of(request: Request, default: str) -> str:
-    """The request's own attention mode, else the server's."""
+    """The request's own attention mode, else the server's (parsed in the
+    frontend: read as it is)."""
     extra_args = request.sampling_params.extra_args or {}
     value = extra_args.get(modes.REQUEST_KEY)
-    return default if value is None else modes.parse_attention(value)
+    return default if value is None else value
 
 
 def _may_take_paths(request: Request) -> bool:
@@ -209,7 +205,8 @@ def _may_take_paths(request: Request) -> bool:
 
 
 def _recompute_of(request: Request) -> Recompute | None:
-    """The request's own recompute settings; None: the server's."""
+    """The request's own recompute settings; None: the server's (parsed in
+    the frontend: carried whole)."""
     extra_args = request.sampling_params.extra_args or {}
     value = extra_args.get(REQUEST_KEY)
-    return None if value is None else parse_recompute(value)
+    return None if value is None else Recompute(**value)

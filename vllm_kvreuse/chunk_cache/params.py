@@ -42,13 +42,12 @@ def validate_lengths(lengths: Any, num_prompt_tokens: int) -> list[int]:
 
 
 def chunk_lengths(request: Any, num_prompt_tokens: int) -> list[int] | None:
-    """The chunk lengths a request carries; None for an ordinary request, or
-    for lengths that do not fit its prompt (which then runs unchunked)."""
+    """The chunk lengths a request carries (parsed in the frontend: read as
+    they are); None for an ordinary request, or for lengths that leave no
+    question in its prompt (which then runs unchunked)."""
     params = request.sampling_params
     extra_args = (params.extra_args if params is not None else None) or {}
-    if extra_args.get(CHUNKS) is None:
+    lengths = extra_args.get(CHUNKS)
+    if lengths is None or sum(lengths) >= num_prompt_tokens:
         return None
-    try:
-        return validate_lengths(extra_args[CHUNKS], num_prompt_tokens)
-    except ValueError:
-        return None
+    return lengths

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vllm_kvreuse.chunk_cache.engine.recompute import REQUEST_KEY as CHUNK_RECOMPUTE
-from vllm_kvreuse.chunk_cache.engine.recompute import parse_recompute
+from vllm_kvreuse.chunk_cache.engine.recompute import carry_recompute
 from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
 from vllm_kvreuse.chunk_cache.paths.modes import MODES as CHUNK_ATTENTION_MODES
 from vllm_kvreuse.chunk_cache.paths.modes import REQUEST_KEY as CHUNK_ATTENTION
@@ -151,7 +151,7 @@ SPEC = FeatureSpec(
             CHUNK_RECOMPUTE,
             "chunk_cache",
             True,
-            parse_recompute,
+            carry_recompute,
             "Which chunk tokens a chunked request recomputes (else the server's).",
         ),
         ArgKey(

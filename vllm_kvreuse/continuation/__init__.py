@@ -9,5 +9,7 @@
   that reach another API-server process;
 - ``registry.py``: the frontend's records of recent requests;
 - ``remote.py``: look-ups across API-server processes, DP routing;
-- ``frontend.py``: the HTTP fields and the Python API.
+- ``frontend.py``: each engine client's registry, parents recorded,
+  children built, the Python API (``generate_continuation``);
+- ``serving.py``: the HTTP fields (``continuation_of``) and their renderers.
 """

@@ -28,7 +28,7 @@ from vllm_kvreuse.continuation import params
 from vllm_kvreuse.continuation.records import FinishedRecords
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.core.spec import inherited_keys
-from vllm_kvreuse.core.upstream import api_process_count
+from vllm_kvreuse.core.upstream.frontend import api_process_count
 
 if TYPE_CHECKING:
     from vllm_kvreuse.core.context import Core

@@ -36,13 +36,10 @@ def wants_retention(extra_args: Mapping[str, Any] | None) -> bool:
 
 
 def own_ttl(extra_args: Mapping[str, Any] | None) -> float | None:
-    """The request's ``retain_kv_ttl`` in seconds, None if it gives none.
-
-    Validation accepts any number of seconds, ``"30"`` included, and leaves
-    the value as sent: read it through here, never raw.
-    """
-    value = extra_args.get(RETAIN_KV_TTL) if extra_args else None
-    return None if value is None else float(value)
+    """The request's ``retain_kv_ttl`` in seconds, None if it gives none
+    (validation accepts any number of seconds, ``"30"`` included, and
+    carries it parsed: a float)."""
+    return extra_args.get(RETAIN_KV_TTL) if extra_args else None
 
 
 def retention_ttl(extra_args: Mapping[str, Any] | None, default: float) -> float:

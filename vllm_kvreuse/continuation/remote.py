@@ -30,7 +30,7 @@ from vllm_kvreuse.continuation.registry import (
     ParentRegistry,
 )
 from vllm_kvreuse.core.request_keys import PARENT
-from vllm_kvreuse.core.upstream import api_process_count
+from vllm_kvreuse.core.upstream.frontend import api_process_count
 
 MAX_ID_LENGTH = 512
 """Longer ``continuation_of`` values are not sent to the engines."""

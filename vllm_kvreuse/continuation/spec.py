@@ -65,8 +65,8 @@ SPEC = FeatureSpec(
     switch="enable_continuation",
     feature="vllm_kvreuse.continuation.feature:Continuation",
     promptless_fields=(CONTINUATION_OF,),
-    render_completion="vllm_kvreuse.continuation.frontend:render_completion",
-    render_chat="vllm_kvreuse.continuation.frontend:render_chat",
+    render_completion="vllm_kvreuse.continuation.serving:render_completion",
+    render_chat="vllm_kvreuse.continuation.serving:render_chat",
     # Before the chunk cache's renderer: a body naming a parent is a
     # continuation whatever else it sends (its prompt is the parent's,
     # chunked as the parent was).

@@ -12,8 +12,11 @@
 - :mod:`.ledger`: blocks held past their request's life, and inheritance.
 - :mod:`.internal`: requests the plugin adds for itself.
 - :mod:`.resend`: running requests sent whole to the workers again.
-- :mod:`.upstream`: the one seam to vLLM's internal scheduler, KV-manager
-  and request state (each attribute registered per vLLM release).
+- :mod:`.holds`: requests features hold out of vLLM's queues; the one
+  owner of their moves out and back.
+- :mod:`.upstream`: the one seam to vLLM's internal state, a module a
+  side: scheduler, a request's state, frontend, worker (each attribute
+  registered per vLLM release).
 - :mod:`.request_keys`: every internal ``extra_args`` key, and its seal.
 - :mod:`.accounting`: the block-accounting invariant, checked by tests.
 """

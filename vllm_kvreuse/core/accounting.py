@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from vllm_kvreuse.core.upstream import Upstream, referenced_blocks
+from vllm_kvreuse.core.upstream.scheduler import Upstream, referenced_blocks
 
 
 def expected_references(scheduler: Any) -> Counter[int]:

@@ -5,7 +5,8 @@ read scheduler state through ``core.scheduler`` and change it only through
 upstream's own methods or the services here, so block ownership stays
 where :mod:`vllm_kvreuse.core.ledger` and upstream say it is. Upstream
 state no public method reaches (queues, seat limits, block tables) is read
-and changed through ``core.upstream`` (:mod:`vllm_kvreuse.core.upstream`),
+and changed through ``core.upstream``
+(:class:`vllm_kvreuse.core.upstream.scheduler.Upstream`),
 whose every attribute is registered and checked per vLLM release.
 """
 
@@ -18,11 +19,12 @@ from vllm.logger import init_logger
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_kvreuse.core.holds import Holds
 from vllm_kvreuse.core.internal import InternalRequests
 from vllm_kvreuse.core.ledger import BlockLedger
 from vllm_kvreuse.core.resend import Resends
 from vllm_kvreuse.core.spec import Settings
-from vllm_kvreuse.core.upstream import Upstream
+from vllm_kvreuse.core.upstream.scheduler import Upstream
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -37,6 +39,8 @@ class Core:
     - ``ledger``: blocks held past their request's life;
     - ``internal``: requests the plugin spawns;
     - ``resends``: running requests sent whole to the workers again;
+    - ``holds``: requests features hold out of upstream's scheduling, and
+      the one owner of their moves out of vLLM's queues and back;
     - ``upstream``: the one seam to upstream's internal state;
     - :meth:`emit`: outputs the engine itself finishes requests with
       (rejections, errors, beam results), delivered with the next step's;
@@ -53,6 +57,7 @@ class Core:
         self.ledger = BlockLedger(self.upstream)
         self.internal = InternalRequests(scheduler.add_upstream)
         self.resends = Resends(self.upstream)
+        self.holds = Holds(self.upstream)
         self._emitted: list[tuple[int, EngineCoreOutput]] = []
         self._failed: dict[str, str] = {}
         self.client_salts: dict[str, str | None] = {}
@@ -146,4 +151,5 @@ class Core:
             "free_blocks": self.upstream.num_free_blocks(),
             "held_blocks": self.ledger.num_blocks(),
             "internal_requests": len(self.internal.owners),
+            "held": self.holds.summary(),
         }

@@ -1,8 +1,11 @@
 """Requests the plugin adds to the engine for its own work.
 
-Beam search adds one request per beam, the chunk cache one per missing
-chunk. They are ordinary vLLM requests to upstream's loop, with three
-exceptions that this service owns:
+Engine beam search adds its beams' requests (a live group's members for
+the whole search, or one request per beam per step), answer paths one
+scoring request per document of a chunked request. Each is derived from a
+client's request (:func:`derived_request`: the client's index, LoRA
+adapter, cache salt and priority). They are ordinary vLLM requests to
+upstream's loop, with three exceptions that this service owns:
 - they are exempt from admission (the admission check never judges one);
 - their outputs never reach a client: each is taken out of the step's
   outputs and handed to the feature that spawned it;
@@ -17,10 +20,37 @@ its final output in that step's outputs, so :meth:`retire` only marks it and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+
+
+def derived_request(
+    client: Request,
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams,
+    block_hasher: Callable[[Request], list[Any]] | None = None,
+) -> Request:
+    """A request the plugin runs for ``client``'s request: on its behalf
+    (its client index), with its LoRA adapter, cache salt and priority, so
+    it computes and caches KV the client's request could use. Hashes its
+    blocks with ``block_hasher`` (None: none yet; the caller sets them)."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=sampling_params,
+        pooling_params=None,
+        client_index=client.client_index,
+        lora_request=client.lora_request,
+        cache_salt=client.cache_salt,
+        priority=client.priority,
+        block_hasher=block_hasher,
+    )
 
 
 class Spawner(Protocol):

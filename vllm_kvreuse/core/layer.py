@@ -4,13 +4,18 @@ vLLM picks ``Scheduler`` or ``AsyncScheduler`` (or a user's, or a platform's
 subclass) in ``SchedulerConfig.get_scheduler_cls``; when a feature is
 switched on, the registered patch (:mod:`vllm_kvreuse.scheduler`) passes that
 choice through :func:`compose`, which puts :class:`KVReuseLayer` in front of
-it, with the function that reads the plugin's settings off the
-``VllmConfig`` (the top floor's; core imports no settings table).
+it. The layer reads the plugin's settings off the ``VllmConfig``, which
+carries them parsed (:func:`~vllm_kvreuse.core.spec.settings_of`; core
+imports no settings table).
 
 :class:`KVReuseLayer` overrides each upstream method it needs exactly once
 and calls the features' hooks (:mod:`vllm_kvreuse.core.feature`) in
 :data:`~vllm_kvreuse.features.SPECS` order. Upstream's scheduling
 loop runs unchanged inside ``super()``.
+
+Requests a feature holds (``core.holds``, :mod:`vllm_kvreuse.core.holds`)
+leave vLLM's queues right before upstream's ``schedule()``, after every
+feature's ``before_schedule``, and come back as soon as it returns.
 
 Liveness and containment:
 - a per-request hook that raises fails that request alone
@@ -27,7 +32,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -40,7 +45,7 @@ from vllm_kvreuse.core.context import Core
 from vllm_kvreuse.core.feature import HOOKS, Feature, implements
 from vllm_kvreuse.core.features import build_features
 from vllm_kvreuse.core.ledger import Hit
-from vllm_kvreuse.core.spec import Settings
+from vllm_kvreuse.core.spec import settings_of
 
 logger = init_logger(__name__)
 
@@ -50,13 +55,9 @@ STALL_LOG_INTERVAL = 10.0  # seconds between "waiting for" lines
 class KVReuseLayer(Scheduler):
     """Overrides upstream ``Scheduler`` methods once each; features do the rest."""
 
-    read_settings: ClassVar[Callable[[Any], Settings]]
-    """Reads the plugin's settings off a ``VllmConfig``; :func:`compose`
-    gives it to each composed class."""
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.kvreuse = Core(self, self.read_settings(self.vllm_config))
+        self.kvreuse = Core(self, settings_of(self.vllm_config))
         self.features: list[Feature] = build_features(self.kvreuse)
         self._hooks: dict[str, list[Feature]] = {
             hook: [f for f in self.features if implements(f, hook)] for hook in HOOKS
@@ -100,6 +101,7 @@ class KVReuseLayer(Scheduler):
         self.kvreuse.client_salts.pop(request.request_id, None)
         self.kvreuse.internal.retire(request.request_id)
         self.kvreuse.resends.forget(request.request_id)
+        self.kvreuse.holds.forget(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
     def _free_blocks(self, request: Request) -> None:
@@ -171,7 +173,11 @@ class KVReuseLayer(Scheduler):
         core.internal.drop_retired()
         core.ledger.released_since_step = False
         self._each("before_schedule")
-        output = super().schedule(*args, **kwargs)
+        core.holds.take_out()
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            core.holds.put_back()
         core.resends.deliver(output)
         self._each("after_schedule", output)
         if self._under_pressure(output):
@@ -249,9 +255,8 @@ class KVReuseLayer(Scheduler):
 
 
 @functools.cache
-def compose(base: type, read_settings: Callable[[Any], Settings]) -> type:
-    """``base`` with :class:`KVReuseLayer` in front, reading its settings
-    with ``read_settings`` (cached per base and reader)."""
+def compose(base: type) -> type:
+    """``base`` with :class:`KVReuseLayer` in front (cached per base)."""
     if issubclass(base, KVReuseLayer):
         return base
     if not issubclass(base, Scheduler):
@@ -267,6 +272,5 @@ def compose(base: type, read_settings: Callable[[Any], Settings]) -> type:
         {
             "__module__": __name__,
             "__doc__": f"{base.__qualname__} with vllm-kvreuse.",
-            "read_settings": staticmethod(read_settings),
         },
     )

@@ -40,7 +40,7 @@ from vllm.v1.request import Request
 from vllm_kvreuse.core.request_keys import PARENT
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.core.upstream import Upstream
+    from vllm_kvreuse.core.upstream.scheduler import Upstream
 
 Hit = tuple[KVCacheBlocks, int, int, bool]
 """What ``Scheduler._get_local_prefix_cache_hit`` returns: blocks, tokens,

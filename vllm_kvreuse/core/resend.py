@@ -26,7 +26,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from vllm_kvreuse.core.upstream import Upstream
+    from vllm_kvreuse.core.upstream.scheduler import Upstream
 
 
 class Resends:

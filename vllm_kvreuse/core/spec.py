@@ -10,8 +10,11 @@ scheduler feature class and every hook are named by path
 (``"module:attr"``) and imported when first needed (:func:`hooks`).
 
 The settings built from the specs' options (:class:`Settings`) are the top
-floor's (:class:`vllm_kvreuse.config.KVReuseConfig`); core takes them as a
-parameter and imports neither them nor the list.
+floor's (:class:`vllm_kvreuse.config.KVReuseConfig`): parsed once, where a
+process builds its ``VllmConfig`` (the ``VllmConfig.__post_init__`` patch),
+and carried by it to every process vLLM hands it to; everything below the
+top floor reads them off it with :func:`settings_of` and imports neither
+them nor the list.
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ class Settings(Protocol):
         ...
 
 
+def settings_of(vllm_config: Any) -> Settings:
+    """The plugin's settings that ``vllm_config`` carries: parsed once when
+    it was built (``VllmConfig.__post_init__``, patched by
+    :mod:`vllm_kvreuse.engine_args`), not again on each call."""
+    settings = getattr(vllm_config, "kvreuse_settings", None)
+    if settings is None:
+        raise RuntimeError(
+            "this VllmConfig carries no vllm-kvreuse settings: it was built "
+            "before the plugin was loaded (call vllm_kvreuse.register() first)"
+        )
+    return settings
+
+
 @dataclass(frozen=True, slots=True)
 class ArgKey:
     """One ``extra_args`` key: who reads it, who may set it, how it is checked.
@@ -46,6 +62,13 @@ class ArgKey:
     ``owner`` is the spec name of the feature that reads it, or ``core``.
     An internal key (not ``public``) is defined in
     :mod:`vllm_kvreuse.core.request_keys`, which seals what the plugin writes.
+
+    ``parse`` checks a value (``ValueError``, ``TypeError``) and returns it
+    as the engine reads it: plain data (it crosses processes in
+    ``extra_args``), the same when parsed again. The frontend's validation
+    (:func:`vllm_kvreuse.request_args.validate`) carries it in the request's
+    ``extra_args``: the one parse a key gets; the engine reads what it
+    carries as it is.
     """
 
     name: str
@@ -80,9 +103,11 @@ class FeatureSpec:
     """Said after the switch's flag when a request needs the feature off."""
     attach_engine_args: str = ""
     """``"module:function"`` given the ``EngineArgs`` once the settings are
-    folded in, whether the feature is on or not (it checks)."""
+    folded in, and those settings, whether the feature is on or not (it
+    checks)."""
     finalize_vllm_config: str = ""
-    """``"module:function"`` given the finished ``VllmConfig``."""
+    """``"module:function"`` given the finished ``VllmConfig`` (its settings:
+    :func:`settings_of`)."""
     on_register: str = ""
     """``"module:function"`` called when the plugin loads, in every process."""
 

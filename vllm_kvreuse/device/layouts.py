@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from vllm.v1.kv_cache_interface import KVCacheLayout, is_quantized_kv_cache
 
-from vllm_kvreuse.core import upstream
+from vllm_kvreuse.core.upstream import worker as upstream
 from vllm_kvreuse.device.base import PagedKV, UnsupportedKVLayout
 from vllm_kvreuse.device.cpu_amx import amx_views
 

@@ -14,7 +14,8 @@ would let us delete it.
 - ``runners.py``: both model runners' samplers run beam groups' steps;
 - ``upstream_state.py``: not patches: the private (or seam-owned) upstream
   attributes the plugin reads or changes, each through its one seam
-  (:mod:`vllm_kvreuse.core.upstream`, or a registered patch's own module),
+  (a module of :mod:`vllm_kvreuse.core.upstream`, one a side, or a
+  registered patch's own module),
   checked per release on real objects (``tests/unit/test_upstream_state.py``)
   and against the package's code (``tests/unit/test_private_access.py``);
 - ``runner_state.py``: not patches either: the model-runner attributes the

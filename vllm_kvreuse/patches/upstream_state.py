@@ -1,6 +1,7 @@
 """Upstream internal state the plugin reads or changes, per vLLM release.
 
-Not patches: nothing here is replaced. :mod:`vllm_kvreuse.core.upstream`
+Not patches: nothing here is replaced. The seam, :mod:`vllm_kvreuse.core.upstream`
+(one module a side: scheduler, a request's state, frontend, worker),
 reads and writes these attributes of upstream objects, where no public
 method does what the features need (queues, seat limits, block tables, the
 copy-on-write queue, a request's private token lists and hashes, the step
@@ -26,8 +27,15 @@ from vllm_kvreuse.patches.registry import V0_32_0
 ATTRIBUTE = "attribute"
 """A data attribute (or property): checked present on a real instance."""
 
-SEAM = "vllm_kvreuse.core.upstream"
-"""The module that touches upstream state unless an entry names another."""
+SEAM = "vllm_kvreuse.core.upstream.scheduler"
+"""The scheduler side of the seam: the module that touches upstream state
+unless an entry names another."""
+REQUEST_SEAM = "vllm_kvreuse.core.upstream.requests"
+"""The seam's module for a request's own private state."""
+FRONTEND_SEAM = "vllm_kvreuse.core.upstream.frontend"
+"""The seam's module for the API server's and engine client's state."""
+WORKER_SEAM = "vllm_kvreuse.core.upstream.worker"
+"""The seam's module for the workers' state."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +84,15 @@ def _method(target: str, why: str, signature: str, seam: str = SEAM) -> Upstream
 _QUEUES = (
     _attr(
         f"{_SCHED}.running",
-        "live beam members sit out a schedule() and "
-        "come back at its head; preempted members leave it",
+        "held requests (live beam members sitting out) leave it for a "
+        "schedule() and come back at its head (core/holds.py); stalled "
+        "members are preempted out of it",
     ),
     _attr(
         f"{_SCHED}.waiting",
-        "a beam step that does not fit is parked; so is a chunked request "
-        "waiting for its answer paths' scores",
+        "held requests (a beam step that does not fit, a chunked request "
+        "waiting for its answer paths' scores) leave it for a schedule() and "
+        "come back at its head (core/holds.py)",
     ),
     _attr(
         f"{_SCHED}.kv_holding_waiting",
@@ -90,7 +100,7 @@ _QUEUES = (
     ),
     _attr(
         f"{_SCHED}.max_num_running_reqs",
-        "a held member keeps its seat: "
+        "a held running request keeps its seat: "
         "the limit shrinks while it sits out; a live width must fit it",
     ),
     _attr(
@@ -119,11 +129,13 @@ _QUEUES = (
         "block accounting: references upstream keeps for a step in flight",
     ),
     _method(
-        f"{_QUEUE}.remove_requests", "parks a step's members", f"{_ITER_REQS} -> None"
+        f"{_QUEUE}.remove_requests",
+        "takes held requests out for a schedule()",
+        f"{_ITER_REQS} -> None",
     ),
     _method(
         f"{_QUEUE}.prepend_requests",
-        "puts parked members back at the head",
+        "puts held requests back at the head",
         f"{_ITER_REQS} -> None",
     ),
 )
@@ -178,49 +190,64 @@ _REQUESTS = (
         f"{_REQ}._all_token_ids",
         "a live member takes another beam's "
         "history; a rewound member drops its last token",
+        seam=REQUEST_SEAM,
     ),
-    _attr(f"{_REQ}._output_token_ids", "(as _all_token_ids)"),
+    _attr(f"{_REQ}._output_token_ids", "(as _all_token_ids)", seam=REQUEST_SEAM),
     _attr(
         f"{_REQ}._block_hasher",
         "a beam member reuses the root's hasher; a path's scoring request "
         "hashes its prefix with its request's",
+        seam=REQUEST_SEAM,
     ),
     _attr(
         f"{_REQ}.cache_salt",
         "a chunked request holding moved chunk KV is rehashed under a salt "
         "naming its values",
+        seam=REQUEST_SEAM,
     ),
     _attr(
         f"{_REQ}.prompt_token_ids",
         "a resent request's history is its prompt, as a streaming update leaves it",
+        seam=REQUEST_SEAM,
     ),
-    _attr(f"{_REQ}.num_prompt_tokens", "(as prompt_token_ids)"),
+    _attr(f"{_REQ}.num_prompt_tokens", "(as prompt_token_ids)", seam=REQUEST_SEAM),
     _attr(
         f"{_REQ}.num_computed_tokens",
         "a rewound member computes its last position again; a segmented "
         "chunked request skips the region the connector loads",
+        seam=REQUEST_SEAM,
     ),
-    _attr(f"{_REQ}.spec_token_ids", "a resent request drops speculated tokens"),
+    _attr(
+        f"{_REQ}.spec_token_ids",
+        "a resent request drops speculated tokens",
+        seam=REQUEST_SEAM,
+    ),
     _attr(
         f"{_REQ}.block_hashes",
         "a beam member takes the root's prompt hashes, a resent request its "
         "own cut, a chunked request new ones",
+        seam=REQUEST_SEAM,
     ),
     _method(
         f"{_REQ}.update_block_hashes",
         "hashes the blocks past the taken ones",
         "(self) -> None",
+        seam=REQUEST_SEAM,
     ),
     _attr(
         "vllm.sampling_params:SamplingParams._eos_token_id",
         "a live member never stops on its own: the derived EOS goes too",
+        seam=REQUEST_SEAM,
     ),
     _attr(
-        "vllm.sampling_params:SamplingParams._all_stop_token_ids", "(as _eos_token_id)"
+        "vllm.sampling_params:SamplingParams._all_stop_token_ids",
+        "(as _eos_token_id)",
+        seam=REQUEST_SEAM,
     ),
     _attr(
         "vllm.config.parallel:ParallelConfig._api_process_count",
         "continuation children may reach another API server",
+        seam=FRONTEND_SEAM,
     ),
 )
 
@@ -267,6 +294,7 @@ _FRONTEND = (
         "a continuation must use its parent's LoRA adapter: the one vLLM will "
         "run it with, or vLLM's own not-found error",
         "sha256:4ac69e8098989020",
+        seam=FRONTEND_SEAM,
     ),
     _method(
         f"{_CPU_ATTN}:_get_attn_isa",
@@ -275,6 +303,7 @@ _FRONTEND = (
         "keeps the choice nowhere public before the first forward pass",
         "(dtype: torch.dtype, block_size: int, head_size: int | None = None, "
         "kv_cache_dtype: str | None = None) -> str",
+        seam=WORKER_SEAM,
     ),
     _attr(
         "argparse:ArgumentParser._action_groups",

@@ -14,7 +14,7 @@ import torch
 
 from vllm_kvreuse.beam.catalog.file import load_catalog
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
-from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.core.spec import Settings, settings_of
 
 __all__ = [
     "PROCESSOR",
@@ -32,7 +32,7 @@ own interface (``vllm.v1.worker.gpu.sample.logits_processor``)."""
 
 def engine_catalog(vllm_config: Any, device: torch.device | str) -> SidCatalog | None:
     """The catalog of ``--sid-catalog`` on ``device``; None when unset."""
-    path = KVReuseConfig.from_vllm_config(vllm_config).sid_catalog
+    path = settings_of(vllm_config).sid_catalog
     if not path:
         return None
     model_config = vllm_config.model_config
@@ -61,10 +61,10 @@ def _load(path: str, model_config: Any, device: torch.device | str) -> SidCatalo
     )
 
 
-def attach_catalog_processor(engine_args: Any) -> None:
-    """With ``--sid-catalog``, adds the catalog's logits processor and checks
-    that vLLM returns processed log-probs (what the processor shapes)."""
-    config = KVReuseConfig.from_vllm_config(engine_args)
+def attach_catalog_processor(engine_args: Any, config: Settings) -> None:
+    """With ``--sid-catalog`` (in ``config``, the settings folded into
+    ``engine_args``), adds the catalog's logits processor and checks that
+    vLLM returns processed log-probs (what the processor shapes)."""
     if not config.sid_catalog:
         return
     if not config.engine_beam_search:

@@ -7,8 +7,11 @@
 - ``group.py``: a group's state, a beam's request;
 - ``live.py``: live beams, one engine request per beam for the whole search
   (the live step strategy);
+- ``sit_out.py``: which live members sit out a schedule, so that a group
+  steps whole;
 - ``fork.py``: one new request per beam per step, ranked on the host (the
   fork step strategy);
-- ``gate.py``: a step is admitted whole;
+- ``gate.py``: a step is admitted whole (members of one that does not fit
+  are held out of the queue for a schedule);
 - ``policies.py``: plain beams or beams in a SID catalog, one object per group.
 """

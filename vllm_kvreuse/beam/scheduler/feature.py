@@ -28,8 +28,10 @@ aborted and the workers forget its beams.
 Who owns what: the group table (:mod:`.groups`) every group's membership
 and lifecycle, with the one :meth:`~.groups.GroupTable.drop`;
 :class:`~.live.LiveSteps` the live-step state between hooks (members held
-out of a schedule, samples to take back); :class:`~.gate.Gate` the members
-parked for a schedule; each group (:mod:`.group`) its own step state. A
+out of a schedule, samples to take back); :class:`~.gate.Gate` decides the
+members held for a schedule (the core's holds move them,
+:mod:`vllm_kvreuse.core.holds`); each group (:mod:`.group`) its own step
+state. A
 step's readiness is read off the group (:meth:`~.group.BeamGroup.has_step`),
 not kept. The feature dispatches the hooks to them.
 
@@ -55,7 +57,7 @@ from vllm_kvreuse.beam.plan import (
     steps_of,
 )
 from vllm_kvreuse.beam.policy import BeamConfig, best
-from vllm_kvreuse.beam.scheduler import live
+from vllm_kvreuse.beam.scheduler import sit_out
 from vllm_kvreuse.beam.scheduler.fork import ForkSteps
 from vllm_kvreuse.beam.scheduler.gate import Gate
 from vllm_kvreuse.beam.scheduler.group import BeamGroup, Phase
@@ -84,7 +86,7 @@ class EngineBeamSearch(Feature):
         self.groups = GroupTable(core, self)
         self.live_steps = LiveSteps(core, self.groups)
         self.fork_steps = ForkSteps(self.groups)
-        self.gate = Gate(core.upstream)
+        self.gate = Gate(core)
         # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
         self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
 
@@ -129,18 +131,18 @@ class EngineBeamSearch(Feature):
         group = self.groups.get(request.request_id)
         if group is None or group.phase is not Phase.LIVE:
             return num_new_tokens
-        return live.cap(request, num_computed_tokens, num_new_tokens)
+        return sit_out.cap(request, num_computed_tokens, num_new_tokens)
 
     # -- steps -----------------------------------------------------------------
 
     def before_schedule(self) -> None:
         if self.groups:
-            self.gate.park(self.groups)
+            self.gate.hold(self.groups)
             self.live_steps.hold(self.groups.live())
 
     def after_schedule(self, output: SchedulerOutput) -> None:
-        self.gate.unpark()
-        self.live_steps.put_back()
+        self.gate.release()
+        self.live_steps.release()
         ended = self.groups.take_ended()
         steps = [GroupStep(root_id, "end", []) for root_id in ended]
         if self.groups:
@@ -219,7 +221,6 @@ class EngineBeamSearch(Feature):
     def waiting_summary(self) -> dict[str, int]:
         return {
             "groups": len(self.groups),
-            "parked_members": len(self.gate.parked),
             "held_beam_blocks": self.core.ledger.num_blocks(OWNER),
         }
 

@@ -8,10 +8,11 @@ step's members were admitted one by one, some could hold blocks and seats
 while their siblings wait for ones that never come; the group would wait
 forever for its slowest member. So before each schedule every waiting
 member of a step that does not fit the free blocks and seats as a whole is
-taken out of the queue for that step (oldest group first), and put back at
-the head after it. A step that admits nothing is memory pressure, which
-releases held beams (and preempts live members that wait for a sibling),
-so this cannot deadlock.
+held out of the queue for that step (oldest group first), and put back at
+the head after it: the core's holds (:mod:`vllm_kvreuse.core.holds`) move
+them, for the reason :data:`REASON`. A step that admits nothing is memory
+pressure, which releases held beams (and preempts live members that wait
+for a sibling), so this cannot deadlock.
 """
 
 from __future__ import annotations
@@ -26,28 +27,28 @@ from vllm_kvreuse.beam.scheduler.group import Phase
 if TYPE_CHECKING:
     from vllm_kvreuse.beam.scheduler.group import BeamGroup
     from vllm_kvreuse.beam.scheduler.groups import GroupTable
-    from vllm_kvreuse.core.upstream import Upstream
+    from vllm_kvreuse.core.context import Core
+    from vllm_kvreuse.core.upstream.scheduler import Upstream
+
+REASON = "beam step does not fit"
+"""Why the gate holds a member (``core.holds``)."""
 
 
 class Gate:
-    """Parks the waiting members of steps that do not fit for one
-    ``schedule()``. ``parked`` (changed only here) is what :meth:`park`
-    took out, until :meth:`unpark` puts it back at the head of the queue."""
+    """Holds the waiting members of steps that do not fit for one
+    ``schedule()``: :meth:`hold` before it, :meth:`release` after it."""
 
-    def __init__(self, upstream: Upstream) -> None:
-        self._upstream = upstream
-        self.parked: list[Request] = []
+    def __init__(self, core: Core) -> None:
+        self.core = core
 
-    def park(self, groups: GroupTable) -> None:
-        self.parked = self._upstream.park(
-            steps_that_do_not_fit(self._upstream, groups, groups.get)
-        )
+    def hold(self, groups: GroupTable) -> None:
+        holds = self.core.holds
+        holds.release_all(REASON)
+        for request in steps_that_do_not_fit(self.core.upstream, groups, groups.get):
+            holds.hold(request, REASON)
 
-    def unpark(self) -> None:
-        """Back at the head, in their order."""
-        if self.parked:
-            self._upstream.unpark(self.parked)
-            self.parked = []
+    def release(self) -> None:
+        self.core.holds.release_all(REASON)
 
 
 def steps_that_do_not_fit(
@@ -59,8 +60,7 @@ def steps_that_do_not_fit(
     blocks (and, for a live group, the free seats), queue order.
 
     ``groups``: oldest first; ``group_of``: a root's or member's group. The
-    caller parks them (:meth:`Upstream.park`) for one step and puts them
-    back at the head once the step is scheduled.
+    caller holds them for one step (:class:`Gate`).
     """
     waiting: dict[str, list[Request]] = {}  # root id -> waiting members
     live: set[str] = set()  # groups whose members need seats at once

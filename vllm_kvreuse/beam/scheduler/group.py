@@ -30,8 +30,9 @@ from vllm_kvreuse.beam.plan import GroupResult, GroupStep
 from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
 from vllm_kvreuse.beam.scheduler.policies import PlainPolicy
+from vllm_kvreuse.core.internal import derived_request
 from vllm_kvreuse.core.request_keys import PARENT
-from vllm_kvreuse.core.upstream import never_stop, share_block_hashes
+from vllm_kvreuse.core.upstream.requests import never_stop, share_block_hashes
 
 
 class Phase(Enum):
@@ -212,16 +213,8 @@ def member_request(
         never_stop(sampling)
     else:
         sampling.logprobs = group.config.num_logprobs
-    request = Request(
-        request_id=f"{root.request_id}-beam{group.step}-{index}",
-        prompt_token_ids=list(tokens),
-        sampling_params=sampling,
-        pooling_params=None,
-        client_index=root.client_index,
-        lora_request=root.lora_request,
-        cache_salt=root.cache_salt,
-        priority=root.priority,
-    )
+    request_id = f"{root.request_id}-beam{group.step}-{index}"
+    request = derived_request(root, request_id, list(tokens), sampling)
     # Every beam starts with the root's prompt: reuse its full-block
     # hashes and hash only the blocks past them. A live member's blocks past
     # them change content under it (it takes other beams' KV): hashes no

@@ -20,32 +20,31 @@ new parent's); block tables never change, and a member's blocks past the
 prompt hash privately (never a prefix-cache hit for anyone), since their
 content changes when the member moves.
 
-A step needs every member's row in one batch. Before each ``schedule()``
-the ready members of a group sit out while a sibling is not ready (still
-recomputing after a preemption, which stops one token short, :func:`cap`,
-so that its last token runs with its siblings'), or while samples made
-outside a group step are in flight. A member that upstream's loop runs
-anyway outside a group step (a preemption inside ``schedule()`` cut the
-batch) has that sample taken back when its output comes
-(:meth:`LiveSteps.rewind`).
+A step needs every member's row in one batch: which members sit out a
+``schedule()`` for their group is :mod:`.sit_out`'s. A member that
+upstream's loop runs anyway outside a group step (a preemption inside
+``schedule()`` cut the batch) has that sample taken back when its output
+comes (:meth:`LiveSteps.rewind`).
 
 :class:`LiveSteps` owns the live-step state that lives between hooks:
 the members held out of one ``schedule()``, the last schedule's held ones,
 and the samples of the output being read that were made outside a group
-step. This module decides, and applies through
-:mod:`vllm_kvreuse.core.upstream`.
+step. This module decides; the core applies (its holds,
+:mod:`vllm_kvreuse.core.holds`, move held members out of the running queue
+and back; :mod:`vllm_kvreuse.core.upstream` changes the requests).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 from vllm_kvreuse.beam.plan import GroupResult, GroupStep, outside_of, put_outside
 from vllm_kvreuse.beam.policy import Beam, Step
 from vllm_kvreuse.beam.scheduler.group import Phase
+from vllm_kvreuse.beam.scheduler.sit_out import REASON, stalled, to_hold
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -54,7 +53,6 @@ if TYPE_CHECKING:
     from vllm_kvreuse.beam.scheduler.group import BeamGroup
     from vllm_kvreuse.beam.scheduler.groups import GroupTable
     from vllm_kvreuse.core.context import Core
-    from vllm_kvreuse.core.upstream import Upstream
 
 
 def carriers(
@@ -79,87 +77,14 @@ def carriers(
     return rows, [p for p in parents if p not in taken]
 
 
-def ready(request: Request | None) -> bool:
-    """Running with exactly one token to compute: the group step's row."""
-    return (
-        request is not None
-        and request.status == RequestStatus.RUNNING
-        and request.num_tokens_with_spec
-        + request.num_output_placeholders
-        - request.num_computed_tokens
-        == 1
-    )
-
-
-def to_hold(upstream: Upstream, groups: Iterable[BeamGroup]) -> list[Request]:
-    """The running members of every live group that cannot step whole this
-    ``schedule()`` (all of them while samples made outside a group step are
-    in flight or once its last step is scheduled, else those ready while a
-    sibling is not: a sibling still recomputing runs), in queue order: they sit out
-    (:meth:`Upstream.hold`), keeping their seats. A step in flight holds
-    nobody: the workers apply it before they run the next."""
-    requests = upstream.requests
-    blocked: set[str] = set()
-    for group in groups:
-        members = group.members
-        if group.outside or any(
-            sampled_all(requests.get(rid), group) for rid in members
-        ):  # samples to take back, or the last step in flight: nothing to run
-            blocked.update(members)
-            continue
-        ready_ones = [rid for rid in members if ready(requests.get(rid))]
-        if len(ready_ones) < len(members):
-            blocked.update(ready_ones)
-    if not blocked:
-        return []
-    return [r for r in upstream.running_requests() if r.request_id in blocked]
-
-
-def sampled_all(request: Request | None, group: BeamGroup) -> bool:
-    """The member has sampled (or has in flight, with async scheduling) its
-    group's last token: tokens 2 .. ``max_tokens``. Its ``max_tokens`` has
-    one more (it must never end on its own), which it must not run."""
-    if request is None:
-        return False
-    sampled = request.num_output_tokens + request.num_output_placeholders
-    return sampled >= group.config.max_tokens - 1
-
-
-def cap(request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
-    """A recomputing member stops one token short of its end, so that its
-    last token runs with its siblings' (a group step); a member with one
-    token left runs it."""
-    left = request.num_tokens - num_computed_tokens
-    if left > 1 and num_computed_tokens + num_new_tokens >= request.num_tokens:
-        return left - 1
-    return num_new_tokens
-
-
-def stalled(
-    requests: Mapping[str, Request], group: BeamGroup, held: Collection[str]
-) -> list[Request]:
-    """The group's members that sat out this ``schedule()`` (``held``) while
-    a sibling waits (for blocks or a seat they may hold); empty when every
-    member runs. Members the step scheduled are never named: their step
-    runs."""
-    members = [requests.get(rid) for rid in group.members]
-    if all(r is not None and r.status == RequestStatus.RUNNING for r in members):
-        return []
-    return [
-        r
-        for r in members
-        if r is not None and r.status == RequestStatus.RUNNING and r.request_id in held
-    ]
-
-
 class LiveSteps:
     """The step strategy of live groups: spawns ``width`` members once;
     each step the workers put the next beams on them
     (:mod:`~vllm_kvreuse.beam.worker.job`), and the scheduler's requests
     follow.
 
-    Live-step state, changed only here: ``held``, the running members out
-    of one ``schedule()`` (:meth:`hold` before it, :meth:`put_back` after
+    Live-step state, changed only here: ``held``, the running members held
+    out of one ``schedule()`` (:meth:`hold` before it, :meth:`release` after
     it); ``sat_out``, the ids the last ``schedule()`` held (:meth:`stalled`
     reads them under memory pressure); ``outside_now``, the members whose
     sample in the output being read was made outside a group step
@@ -177,18 +102,21 @@ class LiveSteps:
     # -- around one schedule() -----------------------------------------------------
 
     def hold(self, groups: Iterable[BeamGroup]) -> None:
-        """Takes the live groups' members that cannot step whole out of the
-        running queue, seats and all, for one ``schedule()`` (:func:`to_hold`)."""
-        upstream = self.core.upstream
-        self.held = to_hold(upstream, groups)
-        upstream.hold(self.held)
+        """Holds the live groups' members that cannot step whole out of one
+        ``schedule()``, seats and all (:func:`to_hold`; ``core.holds``
+        takes them out of the running queue)."""
+        holds = self.core.holds
+        holds.release_all(REASON)
+        self.held = to_hold(self.core.upstream, groups)
+        for request in self.held:
+            holds.hold(request, REASON)
 
-    def put_back(self) -> None:
-        """Returns the held members to the head of the running queue."""
+    def release(self) -> None:
+        """After the ``schedule()``: the held members run again from the
+        next one (``core.holds`` has put them back at the head)."""
         self.sat_out = {r.request_id for r in self.held}
-        if self.held:
-            self.core.upstream.put_back(self.held)
-            self.held = []
+        self.held = []
+        self.core.holds.release_all(REASON)
 
     def plan(
         self, groups: Iterable[BeamGroup], output: SchedulerOutput

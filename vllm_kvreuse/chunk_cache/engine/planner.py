@@ -55,8 +55,8 @@ from vllm_kvreuse.chunk_cache.engine.recompute import (
 )
 from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
 from vllm_kvreuse.chunk_cache.engine.tiers import build_store
-from vllm_kvreuse.config import KVReuseConfig
-from vllm_kvreuse.core.upstream import Upstream, block_ids
+from vllm_kvreuse.core.spec import settings_of
+from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -71,7 +71,7 @@ class ChunkScheduler:
     def __init__(
         self, vllm_config: Any, kv_cache_config: KVCacheConfig, block_size: int
     ) -> None:
-        settings = KVReuseConfig.from_vllm_config(vllm_config)
+        settings = settings_of(vllm_config)
         self.block_size = block_size
         self.recompute = Recompute(
             head=settings.chunk_recompute_head,

@@ -55,6 +55,10 @@ class Recompute:
         """A short stable name, for cache salts and logs."""
         return f"h{self.head}s{self.select!r}t{self.tail!r}"
 
+    def to_dict(self) -> dict[str, Any]:
+        """As a request carries it (:func:`carry_recompute`)."""
+        return {"head": self.head, "select": self.select, "tail": self.tail}
+
 
 REQUEST_KEY = "chunk_recompute"
 """Public request field: this request's recompute settings, replacing the
@@ -81,6 +85,12 @@ def parse_recompute(value: Any) -> Recompute:
             raise ValueError(f"{REQUEST_KEY}.{name} must be a number in [0, 1]")
         shares[name] = float(share)
     return Recompute(head=head, **shares)
+
+
+def carry_recompute(value: Any) -> dict[str, Any]:
+    """A ``chunk_recompute`` field checked, as the request carries it to the
+    engine (every field set; ``Recompute(**carried)`` there)."""
+    return parse_recompute(value).to_dict()
 
 
 _FIELDS = ("head", "select", "tail")

@@ -29,7 +29,7 @@ from typing import Any
 from vllm_kvreuse.chunk_cache.frontend import chat_split
 from vllm_kvreuse.chunk_cache.frontend.chat_split import ChatSplitError
 from vllm_kvreuse.chunk_cache.frontend.segments import chunked_input, chunked_prompt
-from vllm_kvreuse.config import KVReuseConfig
+from vllm_kvreuse.core.spec import Settings, settings_of
 
 CHUNK_MESSAGES = "chunk_messages"
 """HTTP body field of a chat request: its messages before the last are chunks."""
@@ -182,7 +182,7 @@ async def _segments(
 # -- the spec's render_chat hook ------------------------------------------------
 
 
-def _by_messages(request: Any, config: KVReuseConfig) -> bool:
+def _by_messages(request: Any, config: Settings) -> bool:
     """Whether the body asks for ``chunk_messages`` (and may)."""
     if not wants_message_chunks(request.model_extra or {}):
         return False
@@ -206,7 +206,7 @@ def _by_messages(request: Any, config: KVReuseConfig) -> bool:
 async def render_chunked_chat(serving: Any, request: Any) -> Any | None:
     """The spec's ``render_chat``: ``(conversation, engine inputs)`` of a
     chunked chat request, an error object, or None for vLLM's own path."""
-    config = KVReuseConfig.from_vllm_config(serving.engine_client.vllm_config)
+    config = settings_of(serving.engine_client.vllm_config)
     separator = config.chunk_separator if config.enable_chunk_cache else ""
     param = CHUNK_MESSAGES if CHUNK_MESSAGES in (request.model_extra or {}) else None
     try:

@@ -25,8 +25,8 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import tokens_input
 
 from vllm_kvreuse.chunk_cache.params import BODY_FIELD, validate_lengths
-from vllm_kvreuse.config import KVReuseConfig
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
+from vllm_kvreuse.core.spec import settings_of
 
 
 def split_text(text: str, separator: str, tokenizer: Any) -> list[list[int]]:
@@ -125,7 +125,7 @@ def segments_of(request: Any, separator: str, tokenizer: Any) -> list[list[int]]
 
 async def render_chunked(serving: Any, request: Any) -> list[Any] | Any | None:
     """Engine inputs (or an error object) for a chunked prompt; None otherwise."""
-    config = KVReuseConfig.from_vllm_config(serving.engine_client.vllm_config)
+    config = settings_of(serving.engine_client.vllm_config)
     if not config.enable_chunk_cache:
         if (request.model_extra or {}).get(BODY_FIELD) is not None:
             return serving.create_error_response(

@@ -17,7 +17,7 @@ How, in the engine core (:class:`Ballots`, driven by the feature):
    its prompt is the path, with prompt log-probs. It reads the prefix cache
    for ``system + doc_i``, but its blocks past the document hash at random,
    so the question's rows are always computed, never found cached.
-2. The chunked request waits out of the queue (parked for each schedule)
+2. The chunked request waits out of the queue (held out of each schedule)
    until every score is in; then its prompt becomes the winning path and it
    runs as an ordinary request, its prefix found in the cache the winning
    scoring request just filled.
@@ -29,7 +29,7 @@ How, in the engine core (:class:`Ballots`, driven by the feature):
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,9 +149,6 @@ class Ballots:
         self.by_request[request.request_id] = Ballot(request, paths)
         for scoring_id in paths:
             self._of_scoring[scoring_id] = request.request_id
-
-    def waiting(self) -> Iterator[Request]:
-        return (ballot.request for ballot in self.by_request.values())
 
     def ballot_of(self, scoring_id: str) -> Ballot | None:
         request_id = self._of_scoring.get(scoring_id)

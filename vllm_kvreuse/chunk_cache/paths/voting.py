@@ -1,15 +1,18 @@
-"""Answer paths in the engine core: scoring requests, parking, the winner.
+"""Answer paths in the engine core: scoring requests, the request held, the winner.
 
 The feature hands a chunked request in ``paths`` mode to :class:`Voting`,
-which spawns one scoring request per document (:mod:`.modes`), keeps the
-request out of each schedule until every path is scored, then makes the
-likeliest path the request's prompt. Nothing here touches KV: paths are
+which spawns one scoring request per document (:mod:`.modes`), holds the
+request out of each schedule until every path is scored (the core's holds,
+:mod:`vllm_kvreuse.core.holds`, for the reason :data:`REASON`), then makes
+the likeliest path the request's prompt. Nothing here touches KV: paths are
 ordinary prompts, cached and found by vLLM's prefix cache.
 
 Ownership: :attr:`Voting.ballots` (the only one changing them) holds each
 waiting request and its scoring requests' ids; a request leaves it when
 decided, when it finishes, or when a scoring request ends without a score
-(it then runs jointly: :meth:`Voting.on_output` returns it to the feature).
+(it then runs jointly: :meth:`Voting.on_output`, or
+:meth:`Voting.on_scoring_finish` for one the engine finished itself,
+returns it to the feature).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.paths.modes import Ballot, Ballots, Path, prefix_hasher
+from vllm_kvreuse.core.internal import derived_request
 from vllm_kvreuse.core.request_keys import CHUNKS
 
 if TYPE_CHECKING:
@@ -29,6 +33,11 @@ if TYPE_CHECKING:
 
     from vllm_kvreuse.core.context import Core
     from vllm_kvreuse.core.internal import Spawner
+
+REASON = "waiting for path scores"
+"""Why a chunked request is held (``core.holds``) until it is decided."""
+_NO_OUTPUT = (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED)
+"""How the engine itself finishes an internal request: with no output."""
 
 
 class Voting:
@@ -38,7 +47,6 @@ class Voting:
         self.core = core
         self._owner = owner
         self.ballots = Ballots()
-        self._parked: list[Request] = []
         self._counter = itertools.count()
         self.num_decided = 0
 
@@ -52,41 +60,22 @@ class Voting:
             scoring_id = f"kvreuse-path-{number}-{index}-{request.request_id}"
             scoring[scoring_id] = path
         self.ballots.open(request, scoring)
+        self.core.holds.hold(request, REASON)
         for scoring_id, path in scoring.items():
-            self.core.internal.spawn(
-                Request(
-                    request_id=scoring_id,
-                    prompt_token_ids=path.tokens,
-                    # The question's log-probs, from rows the prefix cache
-                    # cannot hold (past the document, blocks hash at random).
-                    sampling_params=SamplingParams(
-                        max_tokens=1,
-                        temperature=0.0,
-                        prompt_logprobs=0,
-                        skip_reading_prefix_cache=False,
-                        detokenize=False,
-                    ),
-                    pooling_params=None,
-                    client_index=request.client_index,
-                    lora_request=request.lora_request,
-                    cache_salt=request.cache_salt,
-                    priority=request.priority,
-                    block_hasher=prefix_hasher(
-                        hasher, upstream.hash_block_size, path.prefix
-                    ),
-                ),
-                self._owner,
+            # The question's log-probs, from rows the prefix cache cannot
+            # hold (past the document, blocks hash at random).
+            params = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                prompt_logprobs=0,
+                skip_reading_prefix_cache=False,
+                detokenize=False,
             )
-
-    def park(self) -> None:
-        """Takes waiting ballots' requests out of the queue for a schedule."""
-        self._parked = self.core.upstream.park(
-            [r for r in self.ballots.waiting() if r.status == RequestStatus.WAITING]
-        )
-
-    def unpark(self) -> None:
-        self.core.upstream.unpark(self._parked)
-        self._parked = []
+            hashes = prefix_hasher(hasher, upstream.hash_block_size, path.prefix)
+            scoring_request = derived_request(
+                request, scoring_id, path.tokens, params, hashes
+            )
+            self.core.internal.spawn(scoring_request, self._owner)
 
     def on_output(self, output: EngineCoreOutput) -> Request | None:
         """A scoring request's output. Decides its request once every path
@@ -106,14 +95,27 @@ class Voting:
         self.forget(ballot.request.request_id)  # ended without its score
         return ballot.request
 
+    def on_scoring_finish(self, scoring: Request) -> Request | None:
+        """A scoring request is freed. One the engine finished itself (a
+        failure, an abort) sends no output to :meth:`on_output`: its request
+        gives up its paths and is returned (it then runs jointly), or it
+        would wait for that score for ever."""
+        ballot = self.ballots.ballot_of(scoring.request_id)
+        if ballot is None or scoring.status not in _NO_OUTPUT:
+            return None
+        self.forget(ballot.request.request_id)
+        return ballot.request
+
     def forget(self, request_id: str) -> None:
         """``request_id`` finished, or gave up its paths: its scoring
-        requests still running are aborted."""
+        requests still running are aborted, and it is held no more."""
         self.core.abort(self.ballots.close(request_id))
+        self.core.holds.release(request_id, REASON)
 
     def _decide(self, ballot: Ballot) -> None:
         request = ballot.request
         self.ballots.close(request.request_id)
+        self.core.holds.release(request.request_id, REASON)
         winner = ballot.winner()
         # From here the request is the chunked request of its path (a
         # continuation of it reads these lengths); its own copy of the

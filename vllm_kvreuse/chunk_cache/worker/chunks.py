@@ -24,6 +24,7 @@ from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta, LoadSpec, SaveSpec
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
 from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
 from vllm_kvreuse.chunk_cache.worker.tiers import LocalTiers
+from vllm_kvreuse.core.spec import settings_of
 
 logger = init_logger(__name__)
 
@@ -121,9 +122,7 @@ def worker_tiers(vllm_config: Any, device_: torch.device) -> LocalTiers:
     """This worker rank's tiers, from the plugin's settings."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    from vllm_kvreuse.config import KVReuseConfig
-
-    settings = KVReuseConfig.from_vllm_config(vllm_config)
+    settings = settings_of(vllm_config)
     store = store_fingerprint(vllm_config)
     tp, pp = get_tp_group(), get_pp_group()
     rank = pp.rank_in_group * tp.world_size + tp.rank_in_group

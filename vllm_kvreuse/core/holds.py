@@ -1,0 +1,142 @@
+"""Requests held out of upstream's scheduling: the one owner of their queue moves.
+
+Features keep requests from being scheduled for a while: a beam step that
+does not fit the free blocks waits whole (:mod:`vllm_kvreuse.beam.scheduler.gate`),
+a live beam member sits out while a sibling catches up
+(:mod:`vllm_kvreuse.beam.scheduler.live`), a chunked request in paths mode
+waits for its paths' scores (:mod:`vllm_kvreuse.chunk_cache.paths.voting`).
+A feature asks for it by reason, :meth:`Holds.hold`, and gives it up,
+:meth:`Holds.release`; it never touches vLLM's queues itself.
+
+:class:`Holds` applies what is held around each upstream ``schedule()``, as
+vLLM's own scheduler skips requests blocked on remote KV or a grammar
+inside it: the hook layer calls :meth:`Holds.take_out` after every
+feature's ``before_schedule`` and :meth:`Holds.put_back` as soon as
+upstream's ``schedule()`` returns. Between steps every held request is in
+vLLM's queues as upstream left it, so upstream's own finishing, aborting
+and counting see it there.
+
+Rules, whatever the features ask:
+
+- a finished request is never held: :meth:`~Holds.hold` refuses one,
+  :meth:`~Holds.take_out` passes one over, :meth:`~Holds.put_back` leaves
+  out one that finished meanwhile, and a freed request's holds are dropped
+  (:meth:`~Holds.forget`, from the layer's ``_free_request``);
+- a held waiting request leaves the waiting queue and comes back at its
+  head; a held running request leaves the running queue with its seat
+  (the seat limits shrink while it sits out) and comes back at the head
+  of the running queue, last to be preempted; a request in neither queue
+  (waiting with KV held for a connector) stays where it is;
+- requests come back in the order they stood in their queue when taken
+  out, whichever features held them: one take-out and one put-back for
+  all, so the order never depends on the feature list.
+
+This module is the only one that moves requests out of vLLM's queues and
+back for holding: through ``Upstream.take_out_of_queues`` and
+``Upstream.put_back_into_queues`` (:mod:`vllm_kvreuse.core.upstream.scheduler`),
+which nothing else calls (``tests/unit/test_holds.py``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from vllm_kvreuse.core.upstream.scheduler import Upstream
+
+
+class Holds:
+    """What each feature holds, by request and reason; its queue moves.
+
+    Changed only here: ``taken``, the requests out of the waiting and the
+    running queue during the ``schedule()`` in progress (empty between
+    steps); ``last_out``, the ids of those the last ``schedule()`` ran
+    without, each queue's in queue order; ``last_reasons``, how many of them
+    each reason kept out.
+    """
+
+    def __init__(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        self._held: dict[str, tuple[Request, set[str]]] = {}
+        self.taken: tuple[list[Request], list[Request]] = ([], [])
+        self.last_out: tuple[list[str], list[str]] = ([], [])
+        self.last_reasons: Counter[str] = Counter()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    # -- what features ask --------------------------------------------------------
+
+    def hold(self, request: Request, reason: str) -> bool:
+        """Keeps ``request`` out of upstream's scheduling for ``reason``
+        until :meth:`release`; False (nothing held) for a finished one."""
+        if request.is_finished():
+            return False
+        held = self._held.get(request.request_id)
+        if held is None or held[0] is not request:
+            self._held[request.request_id] = (request, {reason})
+        else:
+            held[1].add(reason)
+        return True
+
+    def release(self, request_id: str, reason: str) -> None:
+        """Gives up ``reason``'s hold on ``request_id``; held for no reason
+        left, it is scheduled again from the next step."""
+        held = self._held.get(request_id)
+        if held is not None:
+            held[1].discard(reason)
+            if not held[1]:
+                del self._held[request_id]
+
+    def release_all(self, reason: str) -> None:
+        """Gives up every hold for ``reason``."""
+        held = [rid for rid, (_, why) in self._held.items() if reason in why]
+        for request_id in held:
+            self.release(request_id, reason)
+
+    def held(self, reason: str | None = None) -> list[Request]:
+        """The requests held for ``reason`` (None: for any), in the order
+        they were first held."""
+        return [r for r, why in self._held.values() if reason is None or reason in why]
+
+    # -- what the hook layer does ---------------------------------------------------
+
+    def forget(self, request_id: str) -> None:
+        """``request_id`` is being freed: every hold on it goes."""
+        self._held.pop(request_id, None)
+
+    def take_out(self) -> None:
+        """Right before upstream's ``schedule()``: every held, unfinished
+        request leaves its queue (a running one with its seat)."""
+        assert self.taken == ([], []), "held requests taken out twice"
+        held = {rid: r for rid, (r, _) in self._held.items() if not r.is_finished()}
+        if held:
+            self.taken = self._upstream.take_out_of_queues(held)
+        waiting, running = self.taken
+        self.last_out = (
+            [r.request_id for r in waiting],
+            [r.request_id for r in running],
+        )
+        self.last_reasons = Counter(
+            reason
+            for request in (*waiting, *running)
+            for reason in self._held[request.request_id][1]
+        )
+
+    def put_back(self) -> None:
+        """Right after upstream's ``schedule()``: what :meth:`take_out` took
+        comes back, each queue's in its order, finished ones left out."""
+        waiting, running = self.taken
+        self.taken = ([], [])
+        if waiting or running:
+            self._upstream.put_back_into_queues(waiting, running)
+
+    def summary(self) -> dict[str, int]:
+        """What the last ``schedule()`` kept out, by reason (stall logs)."""
+        return dict(self.last_reasons)

@@ -1,0 +1,252 @@
+"""The seam to the engine core's scheduler: its KV pool and queues.
+
+Every read and write of upstream scheduler, KV-cache-manager and
+scheduler-output state that the features and services need, beyond what a
+public upstream method does for them, is made here: the block tables and
+their copy-on-write queue, the running and waiting queues and the seat
+limits, the step output's parallel lists. A request's own private state is
+:mod:`.requests`'s (reached through :class:`Upstream` as well). The
+services (:mod:`vllm_kvreuse.core.resend`, :mod:`vllm_kvreuse.core.ledger`)
+and the features call these methods; they decide, this module applies.
+Each attribute is registered in
+:data:`vllm_kvreuse.patches.upstream_state.UPSTREAM_STATE`.
+
+Invariants (ownership, as upstream keeps it):
+- A block table change moves references, never counts them by hand: a
+  table entry is one reference, a queued copy's two endpoints one each
+  until upstream's next ``schedule()`` drains the queue.
+- Requests leave vLLM's queues for holding only through
+  :meth:`Upstream.take_out_of_queues`, undone by
+  :meth:`Upstream.put_back_into_queues` around a
+  single ``schedule()``; :class:`vllm_kvreuse.core.holds.Holds` is the only
+  caller of either.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request
+
+from vllm_kvreuse.core.upstream import requests as request_state
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+
+class Upstream:
+    """One scheduler's internal state, read and changed through named steps."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._manager = scheduler.kv_cache_manager
+        self._managers = self._manager.coordinator.single_type_managers
+        self._pool = self._manager.block_pool
+        self.block_size = scheduler.block_size
+        self.hash_block_size = (
+            scheduler.cache_config.hash_block_size or scheduler.block_size
+        )
+        self.v2 = scheduler.use_v2_model_runner
+
+    # -- the block pool ----------------------------------------------------------
+
+    @property
+    def num_pool_blocks(self) -> int:
+        """Blocks of the pool, the null block included."""
+        return self._pool.num_gpu_blocks
+
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def pool_blocks(self) -> list[Any]:
+        """Every block of the pool, the null block included (read only)."""
+        return self._pool.blocks
+
+    def reference(self, blocks: Iterable[Any]) -> None:
+        """Takes one reference on each block (a free one leaves the queue)."""
+        self._pool.touch(blocks)
+
+    def free(self, blocks: Iterable[Any]) -> None:
+        """Drops one reference on each, in the given order (pass tails first:
+        the free queue evicts in that order)."""
+        self._pool.free_blocks(blocks)
+
+    def blocks_are_positional(self) -> bool:
+        """Full attention in every KV-cache group and prefix caching on: a
+        block holds the same positions for everyone, so it can be handed over."""
+        groups = self._manager.kv_cache_config.kv_cache_groups
+        return self._manager.enable_caching and all(
+            type(group.kv_cache_spec) is FullAttentionSpec
+            and group.kv_cache_spec.block_size == self.block_size
+            for group in groups
+        )
+
+    def lookup_enabled(self, request: Request) -> bool:
+        """Whether upstream would look ``request`` up in the prefix cache."""
+        return self._manager.prefix_cache_lookup_enabled(request)
+
+    # -- block tables --------------------------------------------------------------
+
+    def blocks_of(self, request_id: str) -> tuple[list[Any], ...]:
+        """The request's block table in each group (upstream's lists)."""
+        return self._manager.get_blocks(request_id).blocks
+
+    def block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
+        return block_ids(self._manager, request_id)
+
+    # -- requests (:mod:`.requests`) -----------------------------------------------
+
+    retoken = staticmethod(request_state.retoken)
+    rehash = staticmethod(request_state.rehash)
+    hasher_of = staticmethod(request_state.hasher_of)
+    move_computed = staticmethod(request_state.move_computed)
+    history = staticmethod(request_state.history)
+    adopt = staticmethod(request_state.adopt)
+
+    def unsample(self, request: Request) -> None:
+        """Takes back the request's last sampled token (:func:`.requests.unsample`)."""
+        request_state.unsample(request, self.hash_block_size)
+
+    # -- queues and seats ----------------------------------------------------------
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The scheduler's requests by id (upstream's dict: read only)."""
+        return self._scheduler.requests
+
+    def running_requests(self) -> list[Request]:
+        """The running queue (upstream's list: read, do not change)."""
+        return self._scheduler.running
+
+    def waiting_requests(self) -> Iterable[Request]:
+        """The waiting queue, in order (read, do not change)."""
+        return self._scheduler.waiting
+
+    def num_waiting(self) -> int:
+        """Requests waiting, those holding KV for a connector included."""
+        scheduler = self._scheduler
+        return len(scheduler.waiting) + len(scheduler.kv_holding_waiting)
+
+    def free_seats(self) -> int:
+        """Running seats a step could still fill."""
+        return self._scheduler.max_num_active_reqs - len(self._scheduler.running)
+
+    def seat_limit(self) -> int:
+        """Requests that may run at once (``max_num_seqs``, pipeline-capped)."""
+        scheduler = self._scheduler
+        return min(scheduler.max_num_running_reqs, scheduler.max_num_active_reqs)
+
+    def preempt(self, requests: list[Request]) -> None:
+        """Preempts running ``requests`` as upstream does (out of the running
+        queue, blocks freed, back to waiting). Only for requests this step
+        did not schedule."""
+        scheduler = self._scheduler
+        scheduler.running[:] = [r for r in scheduler.running if r not in requests]
+        now = time.monotonic()
+        for request in requests:
+            scheduler._preempt_request(request, now)
+
+    # -- holding (for :class:`vllm_kvreuse.core.holds.Holds` alone) ---------------
+
+    def take_out_of_queues(
+        self, held: Mapping[str, Request]
+    ) -> tuple[list[Request], list[Request]]:
+        """Takes the ``held`` requests (by id) out of the waiting and running
+        queues for one ``schedule()``, a running one with its seat; returns
+        each queue's, in queue order. One in neither queue stays where it is.
+        :meth:`put_back_into_queues` undoes it."""
+        scheduler = self._scheduler
+        waiting = [r for r in scheduler.waiting if held.get(r.request_id) is r]
+        if waiting:
+            scheduler.waiting.remove_requests(waiting)
+        running = [r for r in scheduler.running if held.get(r.request_id) is r]
+        if running:
+            gone = set(map(id, running))
+            scheduler.running[:] = [r for r in scheduler.running if id(r) not in gone]
+            scheduler.max_num_running_reqs -= len(running)
+            scheduler.max_num_active_reqs -= len(running)
+        return waiting, running
+
+    def put_back_into_queues(
+        self, waiting: list[Request], running: list[Request]
+    ) -> None:
+        """Returns what :meth:`take_out_of_queues` took, each queue's in its order: the
+        waiting ones to the head of the waiting queue, the running ones (they
+        sat this step out: last to be preempted) to the head of the running
+        queue, and every seat. One finished meanwhile stays out (it left its
+        queue for good)."""
+        scheduler = self._scheduler
+        back = [request for request in waiting if not request.is_finished()]
+        if back:
+            scheduler.waiting.prepend_requests(reversed(back))
+        scheduler.running[:0] = [r for r in running if not r.is_finished()]
+        scheduler.max_num_running_reqs += len(running)
+        scheduler.max_num_active_reqs += len(running)
+
+    # -- the step's output ---------------------------------------------------------
+
+    def send_whole(self, output: SchedulerOutput, request_ids: set[str]) -> set[str]:
+        """Sends each request of ``request_ids`` that ``output`` schedules as
+        a cached request to its workers whole instead (a ``NewRequestData``
+        for an id they know: upstream's streaming-input update); returns the
+        ids sent. A request already among the new ones counts as sent."""
+        sent = {new.req_id for new in output.scheduled_new_reqs} & request_ids
+        cached = output.scheduled_cached_reqs
+        picked = [i for i, rid in enumerate(cached.req_ids) if rid in request_ids]
+        for i in picked:
+            request = self._scheduler.requests[cached.req_ids[i]]
+            new = NewRequestData.from_request(
+                request,
+                self.block_ids_of(request.request_id),
+                list(request.all_token_ids) if self.v2 else None,
+            )
+            # schedule() has already advanced the request past this step.
+            new.num_computed_tokens = cached.num_computed_tokens[i]
+            output.scheduled_new_reqs.append(new)
+            sent.add(request.request_id)
+        if picked:
+            _drop_rows(cached, set(picked))
+        return sent
+
+
+def _drop_rows(cached: Any, rows: set[int]) -> None:
+    """Removes rows from a ``CachedRequestData``: its lists are parallel, so
+    each is rewritten by name (the registry pins its fields)."""
+    keep = [i for i in range(len(cached.req_ids)) if i not in rows]
+    gone = {cached.req_ids[i] for i in rows}
+    cached.req_ids = [cached.req_ids[i] for i in keep]
+    cached.new_block_ids = [cached.new_block_ids[i] for i in keep]
+    cached.num_computed_tokens = [cached.num_computed_tokens[i] for i in keep]
+    cached.num_output_tokens = [cached.num_output_tokens[i] for i in keep]
+    if cached.new_token_ids:
+        cached.new_token_ids = [cached.new_token_ids[i] for i in keep]
+    cached.resumed_req_ids = cached.resumed_req_ids - gone
+    for rid in gone:
+        cached.all_token_ids.pop(rid, None)
+
+
+# -- without a scheduler ---------------------------------------------------------
+
+
+def block_ids(manager: KVCacheManager, request_id: str) -> tuple[list[int], ...]:
+    """The request's block ids in each KV-cache group (a connector has the
+    manager, :meth:`KVConnectorBase_V1.bind_kv_cache_manager`)."""
+    return manager.get_block_ids(request_id)
+
+
+def referenced_blocks(scheduler: Any) -> Iterator[Any]:
+    """Every block reference upstream's own owners account for: block
+    tables, queued copy endpoints, deferred frees (nulls included)."""
+    manager = scheduler.kv_cache_manager
+    for single in manager.coordinator.single_type_managers:
+        for blocks in single.req_to_blocks.values():
+            yield from blocks
+        for pair in single._pending_cow_copies:
+            yield from pair
+    for _, blocks in scheduler.deferred_frees:
+        yield from blocks
