@@ -372,3 +372,37 @@ def test_answer_paths_over_http_are_order_free_and_a_path_of_plain_vllm(
     messages = [{"role": "user", "content": text} for text in [*DOCS, "Which?"]]
     by_chat = chat(chunked, messages=messages, chunk_messages=True, **body)
     assert by_chat["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize("mode", ["joint", "paths", "choose"])
+def test_a_conversations_turns_are_never_cut(servers, mode: str) -> None:
+    """A multi-turn chat with ``chunk_messages`` in each mode: the documents
+    are the messages before the first assistant turn; that turn and the
+    question stand in every path. ``joint`` answers as plain vLLM on the
+    whole conversation; ``paths`` as plain vLLM on one document and the
+    turns; ``choose`` (default margin and k) on one or both documents, in
+    order, with the turns; the response says how many it kept."""
+    plain, chunked = servers
+    system = {"role": "system", "content": SYSTEM}
+    # Documents no other test sends: new to the store, computed in place.
+    docs = [{"role": "user", "content": f"{text} (a chat)"} for text in DOCS[:2]]
+    turns = [
+        {"role": "assistant", "content": "Fact 1 is about topic 7."},
+        {"role": "user", "content": "And which topic is fact 0 about?"},
+    ]
+
+    def plain_answer(kept: list[dict]) -> str:
+        body = chat(plain, messages=[system, *kept, *turns])
+        return body["choices"][0]["message"]["content"]
+
+    body = chat(chunked, messages=[system, *docs, *turns], chunk_messages=True,
+                chunk_attention=mode)  # fmt: skip
+    answer = body["choices"][0]["message"]["content"]
+    kept = (body.get("kv_transfer_params") or {}).get("kvreuse_documents_kept")
+    if mode == "joint":
+        assert answer == plain_answer(docs) and kept is None
+    elif mode == "paths":
+        assert kept == 1 and answer in {plain_answer([doc]) for doc in docs}
+    else:
+        expected = {1: {plain_answer([doc]) for doc in docs}, 2: {plain_answer(docs)}}
+        assert kept in expected and answer in expected[kept]

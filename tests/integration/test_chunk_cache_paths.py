@@ -21,6 +21,7 @@ from tests.integration.chunks import (
     generate,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
+from vllm_kvreuse.chunk_cache.engine.planner import DOCUMENTS_KEPT
 from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
@@ -82,12 +83,74 @@ def test_paths_per_request_and_where_they_do_not_apply(model_dir: str) -> None:
         out = generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION], attention="paths")
         assert voting.num_decided == 1
         assert out.outputs[0].token_ids
-        generate(llm, [SYSTEM, DOC_A, QUESTION], attention="paths")
-        assert voting.num_decided == 1  # one document: nothing to choose
+        for attention in ("paths", "choose"):  # one document: nothing to choose
+            out = generate(llm, [SYSTEM, DOC_A, QUESTION], attention=attention)
+            assert voting.num_decided == 1
+            # an ordinary prompt: vLLM's own answer, token for token
+            expected = _answer(llm, SYSTEM + DOC_A + QUESTION)
+            assert list(out.outputs[0].token_ids) == expected
         # A question of several blocks: its scoring requests cache none.
         long_question = list(range(600, 680))
         out = generate(llm, [SYSTEM, DOC_A, DOC_B, long_question], attention="paths")
         assert voting.num_decided == 2 and out.outputs[0].token_ids
+
+
+def test_choose_answers_on_the_close_documents_jointly(model_dir: str) -> None:
+    """``choose`` with a margin that keeps every document and k = 2: the
+    request is answered on the two likeliest documents, in the client's
+    order, as an ordinary request on that prompt answers (its first kept
+    document found cached); the response says how many were kept; k = 1 is
+    ``paths``."""
+    with chunk_cache_llm(
+        model_dir, chunk_attention="choose", chunk_choose_margin=100.0
+    ) as llm:
+        free = num_free_blocks(llm)
+        side = scheduler_of(llm).feature("chunk_cache").side
+        out = generate(llm, [SYSTEM, *DOCS, QUESTION])
+        assert out.kv_transfer_params == {DOCUMENTS_KEPT: 2}
+        assert (side.store.stats.decided, side.store.stats.documents_kept) == (1, 2)
+        llm.reset_prefix_cache()
+        scores = [_question_logprob(llm, doc) for doc in DOCS]
+        ranked = sorted(range(len(DOCS)), key=lambda i: (-scores[i], i))
+        assert scores[ranked[1]] - scores[ranked[2]] > 0.1  # not a near tie
+        kept = sorted(ranked[:2])
+        expected = _answer(llm, SYSTEM + DOCS[kept[0]] + DOCS[kept[1]] + QUESTION)
+        assert list(out.outputs[0].token_ids) == expected
+        one = generate(llm, [SYSTEM, *DOCS, QUESTION], attention="paths")
+        assert one.kv_transfer_params == {DOCUMENTS_KEPT: 1}
+        assert list(one.outputs[0].token_ids) == _answer(
+            llm, SYSTEM + DOCS[ranked[0]] + QUESTION
+        )
+        assert num_free_blocks(llm) == free
+
+
+def test_the_threshold_judges_a_paths_request_on_its_prompt(model_dir: str) -> None:
+    """Beside the cache-hit threshold: a ``choose`` request is judged on
+    arrival on the prompt it was sent with (vLLM's prefix cache; the chunk
+    store holds nothing for it). Rejected, its scoring requests are aborted
+    and every block comes back; admitted, it is decided as alone."""
+    with chunk_cache_llm(
+        model_dir, chunk_attention="choose", global_cache_hit_threshold=0.0
+    ) as llm:
+        free = num_free_blocks(llm)
+        voting = scheduler_of(llm).feature("chunk_cache").voting
+        token_ids, lengths = chunked_prompt([SYSTEM, *DOCS, QUESTION])
+
+        def run(threshold: float):
+            extra_args = {**seal({CHUNKS: lengths}), "cache_hit_threshold": threshold}
+            params = SamplingParams(
+                max_tokens=4, temperature=0.0, extra_args=extra_args
+            )
+            (out,) = llm.generate([{"prompt_token_ids": token_ids}], params)
+            return out
+
+        rejected = run(0.9)
+        assert rejected.outputs[0].finish_reason == "cache_threshold"
+        assert not rejected.outputs[0].token_ids and voting.num_decided == 0
+        assert not voting.ballots.by_request and num_free_blocks(llm) == free
+        admitted = run(0.0)
+        assert admitted.outputs[0].finish_reason == "length"
+        assert voting.num_decided == 1 and num_free_blocks(llm) == free
 
 
 def test_a_continuation_of_a_paths_request_runs_jointly(model_dir: str) -> None:

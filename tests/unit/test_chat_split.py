@@ -14,6 +14,7 @@ from vllm_kvreuse.chunk_cache.frontend.chat_split import (
     Piece,
     check_tokens,
     cut,
+    document_range,
     document_spans,
     message_cuts,
     segment_tokens,
@@ -147,3 +148,17 @@ def test_tokens_merged_across_a_cut_are_refused(tokenizer) -> None:
         check_tokens(pieces, tokens, tokenizer.encode(text, add_special_tokens=False))
     with pytest.raises(ChatSplitError, match="has more tokens"):
         check_tokens([Piece("a")], [[64]], [64, 65])
+
+
+def test_documents_are_the_pieces_before_the_first_assistant_turn() -> None:
+    """System prompt, two documents (one split at the separator), then an
+    assistant turn and the question: the documents are pieces 1-3; from
+    the assistant's turn on, turns; a region of vLLM's documents picks
+    those only; none in the region: [1, 1]."""
+    segments = ["<sys>", "docA##docB", "docC", "<assistant>", "<question>"]
+    pieces = split_at_separator(segments, "##")
+    turns_from = len("<sys>docA##docBdocC")
+    assert document_range(pieces, 0, turns_from) == [1, 4]
+    assert document_range(pieces, 0, len("".join(segments))) == [1, 5]
+    assert document_range(pieces, len("<sys>"), len("<sys>docA##docB")) == [1, 3]
+    assert document_range(pieces, 0, 0) == [1, 1]

@@ -108,8 +108,7 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._sched.request_finished(request)
-        return False, None
+        return False, self._sched.request_finished(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' report of the step (chunks a tier lost, failed loads)."""

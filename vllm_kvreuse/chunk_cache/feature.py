@@ -33,9 +33,10 @@ from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
 from vllm_kvreuse.chunk_cache.engine.recompute import REQUEST_KEY, Recompute
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.paths import modes
+from vllm_kvreuse.chunk_cache.paths.ballot import Choice
 from vllm_kvreuse.chunk_cache.paths.voting import Voting
 from vllm_kvreuse.core.feature import Feature
-from vllm_kvreuse.core.request_keys import BEAM, PARENT
+from vllm_kvreuse.core.request_keys import BEAM, DOCUMENTS, PARENT
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,8 +66,12 @@ class ChunkCache(Feature):
         # New segmented requests: upstream counts only their first load
         # region as cached at first schedule; after_schedule counts the rest.
         self._uncounted: set[str] = set()
-        self.attention: str = core.config.chunk_attention
-        self.voting = Voting(core, self)
+        settings = core.config
+        self.attention: str = settings.chunk_attention
+        self._choose = Choice(
+            "choose", settings.chunk_choose_margin, settings.chunk_choose_k
+        )
+        self.voting = Voting(core, self, self.side.note_decided)
 
     # -- requests --------------------------------------------------------------
 
@@ -74,11 +79,16 @@ class ChunkCache(Feature):
         lengths = chunk_lengths(request, request.num_prompt_tokens)
         if lengths is None:
             return
-        if _attention_of(request, self.attention) == "paths":
-            answer_paths = modes.paths_of(request.prompt_token_ids or [], lengths)
-            if answer_paths and _may_take_paths(request):
-                self.voting.start(request, answer_paths)
-                return
+        attention = _attention_of(request, self.attention)
+        if attention != "joint" and _may_take_paths(request):
+            extra_args = request.sampling_params.extra_args or {}
+            prompt = request.prompt_token_ids or []
+            layout = modes.layout_of(prompt, lengths, extra_args.get(DOCUMENTS))
+            if layout is None:
+                return  # one document, nothing to choose: an ordinary prompt
+            choice = self._choose if attention == "choose" else Choice("paths")
+            self.voting.start(request, layout, choice)
+            return
         self._plan(request, lengths)
 
     def on_preempt(self, request: Request) -> None:

@@ -7,7 +7,7 @@ from vllm_kvreuse.chunk_cache.engine.recompute import carry_recompute
 from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
 from vllm_kvreuse.chunk_cache.paths.modes import MODES as CHUNK_ATTENTION_MODES
 from vllm_kvreuse.chunk_cache.paths.modes import REQUEST_KEY as CHUNK_ATTENTION
-from vllm_kvreuse.chunk_cache.paths.modes import parse_attention
+from vllm_kvreuse.chunk_cache.paths.modes import parse_attention, parse_documents
 from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
@@ -16,11 +16,12 @@ from vllm_kvreuse.core.options import (
     parse_fraction,
     parse_gib,
     parse_gib_or_auto,
+    parse_margin,
     parse_separator,
     parse_store_url,
     parse_tokens,
 )
-from vllm_kvreuse.core.request_keys import CHUNKS
+from vllm_kvreuse.core.request_keys import CHUNKS, DOCUMENTS
 from vllm_kvreuse.core.spec import ArgKey, FeatureSpec
 
 CHUNK_HASHES = ("", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -108,8 +109,26 @@ SPEC = FeatureSpec(
             "(one prompt: stored chunks loaded, new ones computed in place) or "
             "'paths' (each document on its own prefix, system prompt + document "
             "+ question, and the request answered on the one that makes the "
-            "question likeliest; exact KV, no cross-document answers). A "
+            "question likeliest; exact KV, no cross-document answers) or "
+            "'choose' (the documents scored as in 'paths', those within "
+            "--chunk-choose-margin of the best kept, at most --chunk-choose-k, "
+            "and the request answered on them jointly with exact attention). A "
             "request's 'chunk_attention' field overrides it.",
+        ),
+        Option(
+            "chunk_choose_margin",
+            parse_margin,
+            0.1,
+            "With chunk_attention 'choose': keep every document whose path "
+            "scores within this many nats per question token of the best "
+            "path's (mean log-probability of the tokens after the document).",
+        ),
+        Option(
+            "chunk_choose_k",
+            parse_tokens,
+            2,
+            "With chunk_attention 'choose': keep at most this many documents "
+            "(the likeliest; 0 or 1: one, as 'paths').",
         ),
         Option(
             "chunk_recompute_fraction",
@@ -140,12 +159,20 @@ SPEC = FeatureSpec(
     ),
     keys=(
         ArgKey(
+            DOCUMENTS,
+            "chunk_cache",
+            False,
+            parse_documents,
+            "Which chunks of a chunked prompt are documents (candidates of "
+            "answer paths): a chat conversation's turns are not.",
+        ),
+        ArgKey(
             CHUNK_ATTENTION,
             "chunk_cache",
             True,
             parse_attention,
-            "How a chunked request is answered: 'joint' or 'paths' (else the "
-            "server's --chunk-attention).",
+            "How a chunked request is answered: 'joint', 'paths' or 'choose' "
+            "(else the server's --chunk-attention).",
         ),
         ArgKey(
             CHUNK_RECOMPUTE,

@@ -57,6 +57,17 @@ def parse_tokens(value: Any, name: str) -> int:
     return value
 
 
+def parse_margin(value: Any, name: str) -> float:
+    """Returns ``value`` as a finite, non-negative number."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    return number
+
+
 def parse_file(value: Any, name: str) -> str:
     """Returns ``value`` as an absolute path to a readable file; ``""`` is off.
 

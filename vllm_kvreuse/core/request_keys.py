@@ -47,7 +47,12 @@ CHUNKS = "kvreuse_chunks"
 """Chunk cache: a chunked prompt's chunk token lengths. A continuation
 child carries its parent's (its spec marks the key ``inherited``)."""
 
-INTERNAL = frozenset({SEAL, PARENT, BEAM, SID_NODE, SID_EOS, CHUNKS})
+DOCUMENTS = "kvreuse_documents"
+"""Chunk cache: ``[first, end)``, the chunks of a chunked prompt that are
+documents (candidates of answer paths); absent: every chunk after the
+first. A chat conversation's turns are not."""
+
+INTERNAL = frozenset({SEAL, PARENT, BEAM, SID_NODE, SID_EOS, CHUNKS, DOCUMENTS})
 """Every internal key; the key table checks that each spec's internal keys
 are among them."""
 

@@ -53,10 +53,14 @@ from vllm_kvreuse.chunk_cache.engine.recompute import (
     clip,
     merge,
 )
-from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
+from vllm_kvreuse.chunk_cache.engine.stats import Reports
 from vllm_kvreuse.chunk_cache.engine.tiers import build_store
 from vllm_kvreuse.core.spec import settings_of
 from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
+
+DOCUMENTS_KEPT = "kvreuse_documents_kept"
+"""The response's ``kv_transfer_params`` key: how many documents a request
+in ``paths`` or ``choose`` mode was answered on."""
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -87,8 +91,9 @@ class ChunkScheduler:
         self._loads: dict[str, tuple[int, int]] = {}
         self._offered: dict[str, int] = {}  # request id -> end of the offered load
         self._kv_cache_manager: KVCacheManager | None = None
-        self._reported: dict[str, int] = {}
+        self._reports = Reports()
         self.rolled_back: set[str] = set()
+        self._kept: dict[str, int] = {}  # request id -> documents kept
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -286,8 +291,19 @@ class ChunkScheduler:
             if not plan.unsaved:
                 del self._computing[request_id]
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """Releases the request's plan; returns what its client reads in the
+        response's ``kv_transfer_params`` (the documents kept), if any."""
         self.release(request.request_id)
+        kept = self._kept.pop(request.request_id, None)
+        return None if kept is None else {DOCUMENTS_KEPT: kept}
+
+    def note_decided(self, request_id: str, documents: int, kept: int) -> None:
+        """Answer paths decided ``request_id`` on ``kept`` of its
+        ``documents``."""
+        self.store.stats.decided += 1
+        self.store.stats.documents_kept += kept
+        self._kept[request_id] = kept
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers report: chunks a tier lost are forgotten, and a
@@ -313,20 +329,8 @@ class ChunkScheduler:
 
     def stats_since_last_report(self) -> dict[str, int] | None:
         """Counter increments since the last report and current gauges;
-        None when nothing changed (O(1) comparison: it runs every step)."""
-        stats = self.store.stats
-        now = {
-            **{name: getattr(stats, name) for name in COUNTERS},
-            **self.store.gauges(),
-        }
-        if now == self._reported:
-            return None
-        data = {
-            name: value - self._reported.get(name, 0) if name in COUNTERS else value
-            for name, value in now.items()
-        }
-        self._reported = now
-        return data
+        None when nothing changed."""
+        return self._reports.since_last(self.store.stats, self.store.gauges())
 
     # -- helpers ---------------------------------------------------------------
 

@@ -63,6 +63,13 @@ class StoreStats:
         "Loads whose chunk bytes a tier could not give (missing, damaged, the "
         "shared store down): the request computed them instead."
     )
+    decided: int = _count(
+        "Chunked requests answered on the documents their paths chose "
+        "(chunk_attention 'paths' or 'choose')."
+    )
+    documents_kept: int = _count(
+        "Documents those requests were answered on (divide by decided: the mean kept)."
+    )
     thrashed: int = _count(
         "Chunks asked for again soon after the store evicted them: the store "
         "is too small for the workload."
@@ -81,6 +88,26 @@ GAUGES: dict[str, str] = {
     "cpu_bytes": "Chunk-store bytes in host memory (CPU tier).",
     "disk_bytes": "Chunk-store bytes in the disk tier.",
 }
+
+
+class Reports:
+    """What the store reports each step: counter increments since its last
+    report and the current gauges (O(1) comparison: it runs every step)."""
+
+    def __init__(self) -> None:
+        self._reported: dict[str, int] = {}
+
+    def since_last(self, stats: StoreStats, gauges: dict[str, int]) -> dict | None:
+        """None when nothing changed since the last report."""
+        now = {**{name: getattr(stats, name) for name in COUNTERS}, **gauges}
+        if now == self._reported:
+            return None
+        data = {
+            name: value - self._reported.get(name, 0) if name in COUNTERS else value
+            for name, value in now.items()
+        }
+        self._reported = now
+        return data
 
 
 @dataclass

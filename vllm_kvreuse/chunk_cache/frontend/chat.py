@@ -163,20 +163,65 @@ async def _document_cuts(serving: Any, request: Any, full: str) -> list[int]:
 
 async def _segments(
     serving: Any, request: Any, full: _Rendering, by_messages: bool, separator: str
-) -> list[list[int]]:
-    """The chunked prompt's segments: token ids, checked against vLLM's."""
+) -> tuple[list[list[int]], list[int]]:
+    """The chunked prompt's segments (token ids, checked against vLLM's) and
+    which of them are documents (:func:`_document_region`)."""
     text = full.text
     segments = [text]
+    message_ends: list[int] = []
+    document_spans: list[int] = []
     if by_messages:
-        cuts = await _message_cuts(serving, request, text)
+        message_ends = await _message_cuts(serving, request, text)
         if request.documents:
-            cuts += await _document_cuts(serving, request, text)
-        segments = chat_split.cut(text, cuts)
+            document_spans = await _document_cuts(serving, request, text)
+        segments = chat_split.cut(text, message_ends + document_spans)
     pieces = chat_split.split_at_separator(segments, separator)
     tokenizer = serving.renderer.get_tokenizer()
     tokens = chat_split.tokenize_pieces(pieces, tokenizer, request.add_special_tokens)
     chat_split.check_tokens(pieces, tokens, full.token_ids)
-    return chat_split.segment_tokens(pieces, tokens)
+    start, stop = await _document_region(
+        serving, request, text, message_ends, document_spans
+    )
+    documents = chat_split.document_range(pieces, start, stop)
+    return chat_split.segment_tokens(pieces, tokens), documents
+
+
+async def _document_region(
+    serving: Any,
+    request: Any,
+    text: str,
+    message_ends: list[int],
+    document_spans: list[int],
+) -> tuple[int, int]:
+    """Where the documents stand in the rendering: vLLM's ``documents``
+    where the request sends them; else everything before the conversation's
+    first assistant message (from it on, every message is a turn, kept
+    whole in every answer path)."""
+    if document_spans:
+        return document_spans[0], document_spans[-1]
+    messages = request.messages[:-1]
+    first = next(
+        (n for n, m in enumerate(messages) if m.get("role") == "assistant"), None
+    )
+    if first is None:
+        return 0, len(text)
+    if first == 0:
+        return 0, 0
+    if message_ends:
+        return 0, message_ends[first - 1]
+    (end,) = await _message_cuts_of(serving, request, text, first)
+    return 0, end
+
+
+async def _message_cuts_of(
+    serving: Any, request: Any, text: str, count: int
+) -> list[int]:
+    """Where the first ``count`` messages end in ``text``."""
+    rendering = await _render(
+        serving, request, messages=request.messages[:count],
+        add_generation_prompt=False, continue_final_message=False,
+    )  # fmt: skip
+    return chat_split.message_cuts([rendering.text], text)
 
 
 # -- the spec's render_chat hook ------------------------------------------------
@@ -232,8 +277,11 @@ async def render_chunked_chat(serving: Any, request: Any) -> Any | None:
         if not full.is_text:
             raise ChatSplitError("a chunked chat request takes text content only")
         check_chunkable(request)
-        segments = await _segments(serving, request, full, by_messages, separator)
+        segments, documents = await _segments(
+            serving, request, full, by_messages, separator
+        )
         token_ids, lengths = chunked_prompt(segments)
     except (ChatSplitError, ValueError) as e:
         return serving.create_error_response(str(e), param=param or "messages")
-    return full.conversation, [chunked_input(request, token_ids, lengths)]
+    engine_input = chunked_input(request, token_ids, lengths, documents)
+    return full.conversation, [engine_input]

@@ -182,3 +182,17 @@ def segment_tokens(
     """The model-input pieces' tokens (separators dropped): the segments."""
     pairs = zip(pieces, tokens, strict=True)
     return [ids for piece, ids in pairs if not piece.separator]
+
+
+def document_range(pieces: Sequence[Piece], start: int, stop: int) -> list[int]:
+    """``[first, end)``: the segments (the model-input pieces, in order) that
+    start within ``[start, stop)`` of the rendering, neither the first (the
+    system prompt) nor the last (the question); ``[1, 1]`` for none. Only
+    these are documents, candidates of answer paths."""
+    offsets, at = [], 0
+    for piece in pieces:
+        if not piece.separator:
+            offsets.append(at)
+        at += len(piece.text)
+    inside = [n for n, o in enumerate(offsets[:-1]) if n and start <= o < stop]
+    return [inside[0], inside[-1] + 1] if inside else [1, 1]

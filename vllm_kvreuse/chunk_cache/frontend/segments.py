@@ -25,7 +25,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import tokens_input
 
 from vllm_kvreuse.chunk_cache.params import BODY_FIELD, validate_lengths
-from vllm_kvreuse.core.request_keys import CHUNKS, seal
+from vllm_kvreuse.core.request_keys import CHUNKS, DOCUMENTS, seal
 from vllm_kvreuse.core.spec import settings_of
 
 
@@ -152,12 +152,18 @@ async def render_chunked(serving: Any, request: Any) -> list[Any] | Any | None:
     return [chunked_input(request, token_ids, lengths)]
 
 
-def chunked_input(request: Any, token_ids: list[int], lengths: list[int]) -> Any:
+def chunked_input(
+    request: Any,
+    token_ids: list[int],
+    lengths: list[int],
+    documents: list[int] | None = None,
+) -> Any:
     """The engine input of a chunked HTTP request (completion or chat): its
-    token ids, with the chunk lengths added to ``request.vllm_xargs`` as the
-    sealed internal key, which upstream copies into ``extra_args``."""
-    request.vllm_xargs = {
-        **(request.vllm_xargs or {}),
-        **seal({CHUNKS: lengths}),
-    }
+    token ids, with the chunk lengths (and which chunks are documents, when
+    not every chunk after the first) added to ``request.vllm_xargs`` as
+    sealed internal keys, which upstream copies into ``extra_args``."""
+    keys: dict[str, Any] = {CHUNKS: lengths}
+    if documents is not None and documents != [1, len(lengths)]:
+        keys[DOCUMENTS] = documents
+    request.vllm_xargs = {**(request.vllm_xargs or {}), **seal(keys)}
     return tokens_input(token_ids, cache_salt=request.cache_salt)

@@ -1,7 +1,9 @@
-"""Answer paths (``--chunk-attention paths``).
+"""Answer paths (``--chunk-attention paths``) and choose-then-combine (``choose``).
 
-- ``modes.py``: each document on its own exact prefix, scored by the
-  question's likelihood; the ``chunk_attention`` modes and field;
-- ``voting.py``: the paths' scoring requests, and the request parked until
-  its likeliest path becomes its prompt.
+- ``modes.py``: the modes and field; a chunked prompt's layout (head,
+  documents, tail, question), one path per document and its score;
+- ``ballot.py``: a request's paths until all are scored, and the decision
+  (the likeliest, or every document close to it);
+- ``voting.py``: the paths' scoring requests, and the request held until
+  its kept documents become its prompt.
 """

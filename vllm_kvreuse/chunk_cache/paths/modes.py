@@ -1,43 +1,46 @@
-"""Per-document answer paths (``--chunk-attention paths``).
+"""Answer paths (``--chunk-attention paths``) and choose-then-combine
+(``choose``): what a path is, and how it is scored.
 
-A chunked request ``[system, doc_1 .. doc_N, question]`` is answered on one
-*path*, ``system + doc_k + question``: the path whose document makes the
-question likeliest (superposition prompting's saliency, arXiv 2404.06910,
-pruned to one path; PCED, arXiv 2601.08670, combines the paths instead).
-Each path is an ordinary prompt, so vLLM's prefix cache keeps ``system +
-doc_i`` exactly as full attention computes it, at the same positions, in
-whatever company a later request retrieves ``doc_i``: nothing is moved or
-approximated, and no document's facts can leak into another's answer. The
-price: an answer comes from one document (a question that needs two gets
-the likeliest one's answer).
+A chunked request ``[head, doc_1 .. doc_N, tail, question]`` has one *path*
+per document, ``head + doc_k + tail + question``: the *head* is the system
+prompt (the first chunk, or whatever the frontend says comes before the
+documents), the *tail* the conversation turns after them (none for a
+``chunks`` request). Only documents are candidates: a conversation's turns
+stand in every path (:data:`DOCUMENTS`).
 
-How, in the engine core (:class:`Ballots`, driven by the feature):
+Each path is an ordinary prompt, so vLLM's prefix cache keeps ``head +
+doc_k`` exactly as full attention computes it, at the same positions, in
+whatever company a later request retrieves ``doc_k``: nothing is moved or
+approximated. A path's score is the log-likelihood of the tokens after its
+document (tail and question), after the first (whose row may fall in the
+cached prefix), so all paths sum the same tokens; per token, it does not
+grow with the question's length (superposition prompting's saliency, arXiv
+2404.06910; PCED, arXiv 2601.08670, combines the paths token by token).
 
-1. On arrival, one *scoring* request per document, internal, one token:
-   its prompt is the path, with prompt log-probs. It reads the prefix cache
-   for ``system + doc_i``, but its blocks past the document hash at random,
-   so the question's rows are always computed, never found cached.
-2. The chunked request waits out of the queue (held out of each schedule)
-   until every score is in; then its prompt becomes the winning path and it
-   runs as an ordinary request, its prefix found in the cache the winning
-   scoring request just filled.
-3. A path's score is the log-likelihood of the question's tokens after its
-   first (whose row may fall in the cached prefix), so all paths sum the
-   same tokens. Ties go to the earlier document.
+- ``paths``: the request is answered on the likeliest path (ties: the
+  earlier document);
+- ``choose``: on the documents whose score per token is within a margin of
+  the best (at least one, at most k, the likeliest first), jointly, in the
+  client's order: ``head + kept documents + tail + question`` as one exact
+  prompt, the first kept document found in vLLM's prefix cache (its path's
+  prefix), the others computed after it. One kept: exactly ``paths``.
 """
 
 from __future__ import annotations
 
+import itertools
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.request import Request
 
-MODES = ("joint", "paths")
+from vllm_kvreuse.core.request_keys import DOCUMENTS
+
+MODES = ("joint", "paths", "choose")
 """``--chunk-attention``: ``joint`` (one prompt, chunks loaded or computed in
-place) or ``paths`` (this module)."""
+place), ``paths`` or ``choose`` (this module)."""
 REQUEST_KEY = "chunk_attention"
 """Public request field: this request's attention mode (else the server's)."""
 
@@ -49,39 +52,90 @@ def parse_attention(value: Any) -> str:
     return value
 
 
+def parse_documents(value: Any) -> list[int]:
+    """The internal ``kvreuse_documents`` key: ``[first, end)`` chunk indices
+    of a chunked prompt's documents, ``1 <= first <= end`` (none: equal)."""
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, (str, bytes))
+        or len(value) != 2
+        or not all(type(n) is int for n in value)
+        or not 1 <= value[0] <= value[1]
+    ):
+        raise ValueError(f"{DOCUMENTS} must be [first, end) chunk indices")
+    return list(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A chunked prompt cut into head chunks, documents, tail chunks and the
+    question (token ids)."""
+
+    head: list[list[int]]
+    documents: list[list[int]]
+    tail: list[list[int]]
+    question: list[int]
+
+    def prompt(self, kept: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The prompt of the documents ``kept`` (indices, in that order) with
+        the head and tail, and its chunk lengths."""
+        chunks = [*self.head, *(self.documents[i] for i in kept), *self.tail]
+        tokens = [token for chunk in chunks for token in chunk]
+        return [*tokens, *self.question], [len(chunk) for chunk in chunks]
+
+    def path(self, document: int) -> Path:
+        tokens, lengths = self.prompt([document])
+        prefix = sum(len(chunk) for chunk in self.head) + lengths[len(self.head)]
+        return Path(tokens, lengths, prefix, document)
+
+
 @dataclass(slots=True)
 class Path:
-    """``system + document + question``: ``system`` and ``prefix`` (system
-    prompt + document) are token counts."""
+    """``head + document + tail + question``: its chunk ``lengths``, and
+    ``prefix``, the tokens up to the end of its document."""
 
     tokens: list[int]
-    system: int
+    lengths: list[int]
     prefix: int
+    document: int = 0
     score: float | None = None
 
     @property
-    def lengths(self) -> list[int]:
-        """The path's chunk lengths: the system prompt, the document."""
-        return [self.system, self.prefix - self.system]
+    def per_token(self) -> float:
+        """The score per scored token (every token after the document but
+        the first)."""
+        assert self.score is not None
+        return self.score / max(len(self.tokens) - self.prefix - 1, 1)
 
 
-def paths_of(prompt: list[int], lengths: list[int]) -> list[Path]:
-    """One path per document of a chunked prompt (every chunk after the
-    first, the system prompt); none with fewer than two documents."""
-    if len(lengths) < 3:
+def layout_of(
+    prompt: list[int], lengths: list[int], documents: Sequence[int] | None = None
+) -> Layout | None:
+    """The layout of a chunked prompt whose documents are the chunks
+    ``documents`` ``[first, end)`` (default: every chunk after the first);
+    None with fewer than two documents (nothing to choose)."""
+    first, end = documents or (1, len(lengths))
+    end = min(end, len(lengths))
+    if end - first < 2:
+        return None
+    starts = [0, *itertools.accumulate(lengths)]
+    chunks = [prompt[a:b] for a, b in itertools.pairwise(starts)]
+    return Layout(chunks[:first], chunks[first:end], chunks[end:], prompt[starts[-1] :])
+
+
+def paths_of(
+    prompt: list[int], lengths: list[int], documents: Sequence[int] | None = None
+) -> list[Path]:
+    """One path per document of a chunked prompt; none with fewer than two."""
+    layout = layout_of(prompt, lengths, documents)
+    if layout is None:
         return []
-    system, end = lengths[0], sum(lengths)
-    question = prompt[end:]
-    paths, start = [], system
-    for length in lengths[1:]:
-        tokens = [*prompt[:system], *prompt[start : start + length], *question]
-        paths.append(Path(tokens, system, system + length))
-        start += length
-    return paths
+    return [layout.path(d) for d in range(len(layout.documents))]
 
 
 def question_score(logprobs: Any, num_tokens: int, prefix: int) -> float:
-    """Sum of the log-probs of a path's question tokens after its first.
+    """Sum of the log-probs of a path's tokens after its document, after the
+    first.
 
     ``logprobs``: the prompt log-probs vLLM returned (``LogprobsTensors``:
     column 0 the prompt token's own), one row per prompt position computed,
@@ -92,6 +146,15 @@ def question_score(logprobs: Any, num_tokens: int, prefix: int) -> float:
     rows = logprobs.logprobs[:, 0]
     first_row = num_tokens - 1 - rows.shape[0]
     return float(rows[prefix - first_row : num_tokens - 1 - first_row].sum())
+
+
+def kept_documents(paths: Sequence[Path], margin: float, k: int) -> list[int]:
+    """The documents within ``margin`` (per token) of the best path, the
+    likeliest ``k`` of them (ties: the earlier), in the client's order."""
+    best = max(path.per_token for path in paths)
+    close = [p for p in paths if p.per_token >= best - margin]
+    ranked = sorted(close, key=lambda p: (-p.per_token, p.document))[: max(k, 1)]
+    return sorted(path.document for path in ranked)
 
 
 def prefix_hasher(
@@ -115,60 +178,3 @@ def prefix_hasher(
 
 def _unmatched(block_hash: bytes) -> bytes:
     return secrets.token_bytes(len(block_hash))
-
-
-@dataclass(slots=True)
-class Ballot:
-    """A chunked request's paths, by scoring request id, until all scored."""
-
-    request: Request
-    paths: dict[str, Path] = field(default_factory=dict)
-
-    @property
-    def done(self) -> bool:
-        return all(path.score is not None for path in self.paths.values())
-
-    def winner(self) -> Path:
-        """The likeliest path (ties: the earlier document)."""
-        scored = list(self.paths.values())
-        return max(scored, key=lambda p: (p.score, -scored.index(p)))
-
-
-class Ballots:
-    """Requests waiting for their paths' scores, and their scoring requests.
-
-    Owner of both maps: a ballot is opened by :meth:`open`, scored by
-    :meth:`score`, and closed by :meth:`close` (decided or given up).
-    """
-
-    def __init__(self) -> None:
-        self.by_request: dict[str, Ballot] = {}
-        self._of_scoring: dict[str, str] = {}  # scoring id -> request id
-
-    def open(self, request: Request, paths: dict[str, Path]) -> None:
-        self.by_request[request.request_id] = Ballot(request, paths)
-        for scoring_id in paths:
-            self._of_scoring[scoring_id] = request.request_id
-
-    def ballot_of(self, scoring_id: str) -> Ballot | None:
-        request_id = self._of_scoring.get(scoring_id)
-        return None if request_id is None else self.by_request.get(request_id)
-
-    def score(self, scoring_id: str, logprobs: Any) -> Ballot | None:
-        """Records a scoring request's prompt log-probs; returns its ballot
-        once every path is scored."""
-        ballot = self.ballot_of(scoring_id)
-        if ballot is None:
-            return None
-        path = ballot.paths[scoring_id]
-        path.score = question_score(logprobs, len(path.tokens), path.prefix)
-        return ballot if ballot.done else None
-
-    def close(self, request_id: str) -> list[str]:
-        """Forgets ``request_id``'s ballot; returns its scoring requests."""
-        ballot = self.by_request.pop(request_id, None)
-        if ballot is None:
-            return []
-        for scoring_id in ballot.paths:
-            self._of_scoring.pop(scoring_id, None)
-        return list(ballot.paths)

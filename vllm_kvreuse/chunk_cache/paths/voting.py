@@ -1,11 +1,13 @@
-"""Answer paths in the engine core: scoring requests, the request held, the winner.
+"""Answer paths in the engine core: scoring requests, the request held, the decision.
 
-The feature hands a chunked request in ``paths`` mode to :class:`Voting`,
-which spawns one scoring request per document (:mod:`.modes`), holds the
-request out of each schedule until every path is scored (the core's holds,
-:mod:`vllm_kvreuse.core.holds`, for the reason :data:`REASON`), then makes
-the likeliest path the request's prompt. Nothing here touches KV: paths are
-ordinary prompts, cached and found by vLLM's prefix cache.
+The feature hands a chunked request in ``paths`` or ``choose`` mode to
+:class:`Voting`, which spawns one scoring request per document
+(:mod:`.modes`), holds the request out of each schedule until every path is
+scored (the core's holds, :mod:`vllm_kvreuse.core.holds`, for the reason
+:data:`REASON`), then makes the prompt of the documents kept
+(:meth:`.ballot.Ballot.kept`) the request's prompt. Nothing here touches KV:
+paths and the chosen prompt are ordinary prompts, cached and found by
+vLLM's prefix cache.
 
 Ownership: :attr:`Voting.ballots` (the only one changing them) holds each
 waiting request and its scoring requests' ids; a request leaves it when
@@ -19,14 +21,16 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_kvreuse.chunk_cache.paths.modes import Ballot, Ballots, Path, prefix_hasher
+from vllm_kvreuse.chunk_cache.paths.ballot import Ballot, Ballots, Choice
+from vllm_kvreuse.chunk_cache.paths.modes import Layout, prefix_hasher
 from vllm_kvreuse.core.internal import derived_request
-from vllm_kvreuse.core.request_keys import CHUNKS
+from vllm_kvreuse.core.request_keys import CHUNKS, DOCUMENTS
 
 if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreOutput
@@ -43,25 +47,29 @@ _NO_OUTPUT = (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED)
 class Voting:
     """Chunked requests waiting for their paths' scores."""
 
-    def __init__(self, core: Core, owner: Spawner) -> None:
+    def __init__(
+        self, core: Core, owner: Spawner, on_decided: Callable[[str, int, int], None]
+    ) -> None:
+        """``on_decided(request_id, documents, kept)`` hears each decision."""
         self.core = core
         self._owner = owner
+        self._on_decided = on_decided
         self.ballots = Ballots()
         self._counter = itertools.count()
         self.num_decided = 0
 
-    def start(self, request: Request, paths: list[Path]) -> None:
+    def start(self, request: Request, layout: Layout, choice: Choice) -> None:
         """Spawns ``request``'s scoring requests; it waits for their scores."""
         upstream = self.core.upstream
         hasher = upstream.hasher_of(request)
         number = next(self._counter)
-        scoring: dict[str, Path] = {}
-        for index, path in enumerate(paths):
+        ballot = Ballot(request, layout, choice)
+        for index in range(len(layout.documents)):
             scoring_id = f"kvreuse-path-{number}-{index}-{request.request_id}"
-            scoring[scoring_id] = path
-        self.ballots.open(request, scoring)
+            ballot.paths[scoring_id] = layout.path(index)
+        self.ballots.open(ballot)
         self.core.holds.hold(request, REASON)
-        for scoring_id, path in scoring.items():
+        for scoring_id, path in ballot.paths.items():
             # The question's log-probs, from rows the prefix cache cannot
             # hold (past the document, blocks hash at random).
             params = SamplingParams(
@@ -116,12 +124,17 @@ class Voting:
         request = ballot.request
         self.ballots.close(request.request_id)
         self.core.holds.release(request.request_id, REASON)
-        winner = ballot.winner()
-        # From here the request is the chunked request of its path (a
-        # continuation of it reads these lengths); its own copy of the
+        kept = ballot.kept()
+        tokens, lengths = ballot.layout.prompt(kept)
+        # From here the request is the chunked request of its kept documents
+        # (a continuation of it reads these lengths); its own copy of the
         # params, as n > 1 siblings may share one.
         params = copy.copy(request.sampling_params)
-        params.extra_args = {**(params.extra_args or {}), CHUNKS: winner.lengths}
+        extra_args = {
+            k: v for k, v in (params.extra_args or {}).items() if k != DOCUMENTS
+        }
+        params.extra_args = {**extra_args, CHUNKS: lengths}
         # Waiting, never scheduled: no block, nothing computed.
-        self.core.upstream.retoken(request, winner.tokens, 0, [], params)
+        self.core.upstream.retoken(request, tokens, 0, [], params)
         self.num_decided += 1
+        self._on_decided(request.request_id, len(ballot.paths), len(kept))
