@@ -15,7 +15,8 @@ bash scripts/setup.sh
 if [[ $# -gt 0 ]]; then
   exec .venv/bin/python -m pytest "$@"
 fi
+# Each tier ends with its 20 slowest tests (where CI's time goes).
 echo "[test] tier 1: every test, V1 model runner"
-.venv/bin/python -m pytest
+.venv/bin/python -m pytest --durations=20
 echo "[test] tier 2: engine-level tests, V2 model runner (docs/architecture.md, Runners)"
-.venv/bin/python -m pytest --runner v2
+.venv/bin/python -m pytest --runner v2 --durations=20

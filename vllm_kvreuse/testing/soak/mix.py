@@ -14,6 +14,8 @@ Kinds (:data:`WEIGHTS`):
   a quarter of the stage-1 prompts are RAG prompts;
 - ``rag``: ``chunks: [system, doc, ..., question]`` over the corpus's
   document pool;
+- ``rag_paths``: ``rag`` on paths or ``choose``, a quarter of them with
+  ``threshold``'s threshold (rejected while their paths are scored);
 - ``threshold``: ``cache_hit_threshold: 1.0``, which no request can meet,
   so it must finish with ``finish_reason: "cache_threshold"``;
 - ``malformed``: one of :data:`MALFORMED`, which must get a 4xx.
@@ -45,7 +47,8 @@ WEIGHTS: dict[str, float] = {
     "chain_beam": 8,
     "chain_twice": 5,
     "chain_expired": 4,
-    "rag": 25,
+    "rag": 17,
+    "rag_paths": 8,
     "threshold": 6,
     "malformed": 6,
 }
@@ -115,6 +118,7 @@ class Mix:
             "chain_twice": self.chain_twice,
             "chain_expired": self.chain_expired,
             "rag": self.rag,
+            "rag_paths": self.rag_paths,
             "threshold": self.threshold,
             "malformed": self.bad_body,
         }
@@ -150,10 +154,24 @@ class Mix:
         after = rng.randint(0, 3)
         await self.stream_post(f"abandon.{_shape(prompt)}", body, abandon_after=after)
 
+    async def rag_paths(self, rng: random.Random) -> None:
+        attention = rng.choice(("paths", "choose"))
+        body = {
+            **self.body(rng, self.corpus.rag_prompt(rng)),
+            "chunk_attention": attention,
+        }
+        if rng.random() < 0.25:
+            await self._rejected("rag_paths.threshold", body)
+        else:
+            await self.post(f"rag_paths.{attention}", "200", body)
+
     async def threshold(self, rng: random.Random) -> None:
         prompt = self.corpus.any_prompt(rng)
-        body = {**self.body(rng, prompt), "cache_hit_threshold": 1.0}
-        record, _ = await self.post(f"threshold.{_shape(prompt)}", "200", body)
+        await self._rejected(f"threshold.{_shape(prompt)}", self.body(rng, prompt))
+
+    async def _rejected(self, kind: str, body: dict[str, Any]) -> None:
+        body = {**body, "cache_hit_threshold": 1.0}
+        record, _ = await self.post(kind, "200", body)
         if record.ok and record.finish_reason != "cache_threshold":
             record.problem = f"admitted: finish_reason {record.finish_reason!r}"
 
