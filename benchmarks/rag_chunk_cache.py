@@ -66,10 +66,12 @@ def ask(
 ) -> tuple[float, int, int]:
     """(seconds to the first token, prompt tokens, cached prompt tokens) of a
     text prompt, or of a list of segments sent as ``chunks`` (with
-    ``chunk_recompute`` when ``recompute`` is given)."""
+    ``recompute``: a ``chunk_recompute`` value, or a dict of body fields)."""
     key = "chunks" if isinstance(prompt, list) else "prompt"
     body = {"model": SERVED_MODEL, key: prompt, "max_tokens": 1}
-    if recompute is not None:
+    if isinstance(recompute, dict):
+        body.update(recompute)
+    elif recompute is not None:
         body["chunk_recompute"] = recompute
     start = time.perf_counter()
     response = client.post("/v1/completions", json=body)
@@ -237,11 +239,30 @@ def warm_references(
         times = run_phase(chunk_url, warm, args.concurrency, value)
         name = f"warm, chunk_recompute={json.dumps(value)}"
         rows.append(row(name, plain_times, [r[0] for r in times]))
+    for attention in args.warm_attention:
+        # Documents seen in this mode first (its paths' prefixes cached), then
+        # timed in a new order with a new question.
+        fields = {"chunk_attention": attention}
+        run_phase(chunk_url, warm, args.concurrency, fields)
+        times = run_phase(chunk_url, reordered(warm), args.concurrency, fields)
+        name = f"warm, chunk_attention={attention} (primed, new order)"
+        rows.append(row(name, plain_times, [r[0] for r in times]))
     repeat = run_phase(plain_url, ["".join(s) for s in warm], args.concurrency)
     hit_share = sum(r[2] for r in repeat) / sum(r[1] for r in repeat)
     name = "warm, plain again (a full prefix hit; in the chunk columns)"
     rows.append(row(name, plain_times, [r[0] for r in repeat], cached_share=hit_share))
     return rows
+
+
+def reordered(prompts: list[list[str]]) -> list[list[str]]:
+    """Each prompt's documents in another order, its question asked anew."""
+    rng = random.Random(1)
+    out = []
+    for system, *docs, asked in prompts:
+        docs = docs[1:] + docs[:1] if len(docs) > 1 else docs
+        rng.shuffle(docs)
+        out.append([system, *docs, asked.replace("Question", "Asked again:")])
+    return out
 
 
 def markdown(rows: list[dict]) -> str:
@@ -274,6 +295,12 @@ def main() -> None:
         "--warm-recompute", nargs="*", default=['"none"'],
         help="after the phases, the warm prompts again on the chunk server "
         "with each of these chunk_recompute values (JSON), one row each",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warm-attention", nargs="*", default=[],
+        help="then, for each chunk_attention value (paths, choose), the warm "
+        "prompts once in that mode, and timed again in a new order with new "
+        "questions, one row each",
     )  # fmt: skip
     ServerSettings.add_arguments(parser)
     args = parser.parse_args()
