@@ -3,7 +3,7 @@ applications use: the openai SDK (streamed and not), LangChain's
 ``ChatOpenAI`` and LlamaIndex's ``OpenAILike`` (run in its own environment,
 ``.venv/llamaindex``: see scripts/setup.sh), against a real ``vllm serve``
 of SmolLM2-135M-Instruct with ``--enable-chunk-cache`` and a plain server of
-the same model. The snippets of docs/chunk_cache.md's "RAG from your
+the same model. The snippets of docs/rag_frameworks.md's "RAG from your
 framework" run as printed.
 """
 
@@ -305,8 +305,8 @@ def test_llamaindex_without_the_switch_is_plain_vllm(servers) -> None:
 
 
 def doc_snippets() -> list[str]:
-    """The python blocks of docs/chunk_cache.md's "RAG from your framework"."""
-    text = (ROOT / "docs" / "chunk_cache.md").read_text()
+    """The python blocks of docs/rag_frameworks.md's "RAG from your framework"."""
+    text = (ROOT / "docs" / "rag_frameworks.md").read_text()
     section = text.split("## RAG from your framework", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
 

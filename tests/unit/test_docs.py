@@ -4,6 +4,7 @@ they cannot drift from the code."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -22,6 +23,31 @@ from vllm_kvreuse.patches import PATCHES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PACKAGE = Path(vllm_kvreuse.__file__).parent
+
+FEATURE_PAGES = (
+    "chunk_cache.md",
+    "continuation.md",
+    "engine_beam_search.md",
+    "sid_catalog.md",
+    "cache_hit_threshold.md",
+)
+"""The pages that document a feature for its users."""
+
+_RUNS = re.compile(
+    r"^<!-- runs -->\n```(bash|python)\n(.*?)^```", re.MULTILINE | re.DOTALL
+)
+
+
+def runnable_examples() -> list[tuple[str, str, str]]:
+    """(page, language, code) of every block the feature pages mark
+    ``<!-- runs -->``: it runs as printed against the server
+    ``scripts/serve.sh`` starts (``tests/e2e/test_serve_script.py`` runs
+    them); a ``# expect: X`` line says that the output above it contains X."""
+    return [
+        (page, lang, code)
+        for page in FEATURE_PAGES
+        for lang, code in _RUNS.findall((DOCS / page).read_text())
+    ]
 
 
 def test_architecture_lists_every_patch() -> None:
@@ -150,3 +176,34 @@ def test_layout_table_names_no_file_that_is_gone() -> None:
         if not (PACKAGE / folder / name).exists()
     ]
     assert gone == [], "drop these from the Layout table"
+
+
+def _blocks(page: str, lang: str) -> list[str]:
+    text = (DOCS / page).read_text()
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("page", FEATURE_PAGES)
+def test_python_examples_compile(page: str) -> None:
+    for code in _blocks(page, "python"):
+        compile(code, f"docs/{page}", "exec")
+
+
+# A shell word spliced into a single-quoted body ('"$ID"') stands for a string.
+_SPLICE = re.compile(r"""'"\$\{?\w+\}?"'""")
+
+
+@pytest.mark.parametrize("page", FEATURE_PAGES)
+def test_curl_bodies_of_runnable_examples_are_json(page: str) -> None:
+    codes = [code for name, _, code in runnable_examples() if name == page]
+    for code in codes:
+        for body in re.findall(r"-d '(.*?)'", _SPLICE.sub("X", code), re.DOTALL):
+            json.loads(body)
+
+
+def test_every_feature_page_but_the_catalog_has_a_runnable_example() -> None:
+    """The SID catalog needs a catalog file that scripts/serve.sh's server
+    does not load; every other feature page shows one example that runs."""
+    pages = {page for page, _, _ in runnable_examples()}
+    assert pages == set(FEATURE_PAGES) - {"sid_catalog.md"}
+    assert all(lang in ("bash", "python") for _, lang, _ in runnable_examples())
