@@ -30,7 +30,7 @@ DOCS = [f"Document {n}: " + f"fact {n} is about topic {n * 7}. " * 12 for n in r
     params=[
         "float32",
         # vLLM's own CPU dtype where the CPU has bfloat16 instructions: the
-        # chunk cache's bfloat16 KV layouts (docs/chunk_cache.md, "Correctness").
+        # chunk cache's bfloat16 KV layouts (docs/chunk_cache.md, "Numerics").
         pytest.param("bfloat16", marks=[
             pytest.mark.v1_only("CI time: the worker's dtype, not the runner's"),
             pytest.mark.skipif(not BF16_RUNS, reason="no AVX512-BF16 or AMX"),

@@ -121,7 +121,7 @@ def test_a_segmented_request_sent_again_hits_the_prefix_cache(
 
 def test_the_default_settings_match_the_hf_reference(model_dir: str, hf_model) -> None:
     """``--enable-chunk-cache`` alone recomputes what its defaults say
-    (docs/chunk_cache.md: the setting that keeps answers)."""
+    (docs/results/chunk_cache.md: the setting that keeps answers)."""
     defaults = KVReuseConfig()
     settings = Recompute(
         head=defaults.chunk_recompute_head,

@@ -26,6 +26,7 @@ PACKAGE = Path(vllm_kvreuse.__file__).parent
 
 FEATURE_PAGES = (
     "chunk_cache.md",
+    "answer_modes.md",
     "continuation.md",
     "engine_beam_search.md",
     "sid_catalog.md",

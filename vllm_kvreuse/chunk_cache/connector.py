@@ -16,7 +16,7 @@ the chunks a tier lost (``build_connector_worker_meta`` →
 Cost when unused: the scheduler side builds an empty :class:`~.engine.plan.ChunkMeta`
 in O(1) (vLLM requires one each step) and the worker binds only non-empty
 metadata, so a step that loads and saves nothing makes no per-layer call and
-no worker-side chunk call (docs/chunk_cache.md, "Cost when unused").
+no worker-side chunk call (docs/results/chunk_cache.md, "Cost when unused").
 
 Threads: loads and saves run on the worker's thread; one I/O thread writes
 to the disk tier and the shared store when they are set

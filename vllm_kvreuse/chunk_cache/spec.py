@@ -138,7 +138,7 @@ SPEC = FeatureSpec(
             "last chunk backwards, that is recomputed with full attention with the "
             "question instead of loaded from the store (1: full attention). The "
             "default, with --chunk-recompute-head 64, keeps the most answers at a "
-            "warm TTFT >= 3x below plain vLLM (docs/chunk_cache.md).",
+            "warm TTFT >= 3x below plain vLLM (docs/results/chunk_cache.md).",
         ),
         Option(
             "chunk_recompute_head",

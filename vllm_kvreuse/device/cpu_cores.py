@@ -13,7 +13,7 @@ extra reservation only costs the model cores; and where it cannot
 be met (two cores per worker), vLLM reserves none at all, so the worker's
 OpenMP threads share every core with the polling engine core. On a 2-core
 machine that made every step of every request about 4 times slower with
-``--enable-chunk-cache`` (docs/chunk_cache.md, "Cost when unused").
+``--enable-chunk-cache`` (docs/results/chunk_cache.md, "Cost when unused").
 
 The registered patch on ``OMPProcessManager.__init__`` therefore hands it a
 view of the config without a KV connector when the connector is the
