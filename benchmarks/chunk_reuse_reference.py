@@ -382,6 +382,7 @@ def run_set(model, prompts, rset, number, modes, results) -> bool:
             run_prompt(
                 model, pool, prompt, order, mine, kind == "c", due, states, results
             )
+            pool.memo.clear()  # a prompt's paths: ~150 MB a question, not reused
     return True
 
 
