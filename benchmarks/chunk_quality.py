@@ -159,11 +159,24 @@ def complete(
 class Item:
     segments: list[list[int]]
     expected: str
-    two_hop: bool = False
+    two_hop: bool = False  # a two-document question
     warm: bool = False  # reuse: a question on a warm prompt
     prompt: str = ""  # "SET.cN"/"SET.wN": its prompt (first sight, warm)
     docs: tuple[int, ...] = ()  # reuse: the pool's documents, in order
-    asked: int = -1  # reuse: the pool document asked about
+    asked: int = -1  # reuse: the pool document asked about (first named)
+    also: str = ""  # a second value the answer must name (pair questions)
+    rivals: tuple[str, ...] = ()  # values that make an answer wrong
+    max_tokens: int = 8
+
+
+def is_right(item: Item, text: str) -> bool:
+    """Whether ``text`` answers ``item``: it names the expected value (and
+    ``also``, in either order) and none of its rivals (case-insensitive)."""
+    text = text.lower()
+    wanted = [item.expected, *([item.also] if item.also else [])]
+    return all(v.lower() in text for v in wanted) and not any(
+        r.lower() in text for r in item.rivals
+    )
 
 
 def accuracy_items(
@@ -226,10 +239,11 @@ def run_mode(
     with ThreadPoolExecutor(concurrency) as pool:
         for phase in phases(items):
             texts = pool.map(
-                lambda item: complete(client, item, chunked, recompute, 8)[0], phase
-            )
+                lambda item: complete(client, item, chunked, recompute,
+                                      item.max_tokens)[0], phase,
+            )  # fmt: skip
             for item, text in zip(phase, texts, strict=True):
-                right[id(item)] = item.expected.lower() in text.lower()
+                right[id(item)] = is_right(item, text)
     cold, warm = timed
     # Fixed: the accuracy phase may have evicted the warm documents from the
     # store: the cold prompt brings them back first, so every timed prompt is
@@ -253,6 +267,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--two-hop", type=int, default=2, help="fixed: two-document q")
     parser.add_argument("--pool", type=int, default=8, help="reuse: documents a set")
     parser.add_argument("--warm-prompts", type=int, default=4, help="reuse: per set")
+    parser.add_argument(
+        "--per-doc",
+        type=int,
+        default=1,
+        help="reuse: one-document questions per document",
+    )
+    parser.add_argument(
+        "--pairs",
+        action="store_true",
+        help="reuse: also two-document questions (neighbours)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="reuse: other pools")
     parser.add_argument("--ttft-doc-tokens", type=int, default=1000)
     parser.add_argument("--warm", type=int, default=3, help="timed warm prompts")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -305,7 +331,7 @@ def main() -> None:
     settings = ServerSettings.from_args(args)
     reuse = args.workload == "reuse"
     prompts = Prompts(args.model)
-    people = GENERATORS[args.generator](0)
+    people = GENERATORS[args.generator](args.seed)
     if reuse:
         items = [i for s in reuse_sets(prompts, people, args, Item) for i in s.items]
     else:
@@ -333,6 +359,10 @@ def main() -> None:
             "warm_prompts",
         )
     }
+    # Left out at their defaults, so the results of runs before them still load.
+    defaults = {"per_doc": 1, "pairs": False, "seed": 0}
+    meta.update({k: getattr(args, k) for k, d in defaults.items()
+                 if getattr(args, k) != d})  # fmt: skip
     results = load_results(saved, meta)
     for server_name, flags in SERVERS.items():
         modes = [

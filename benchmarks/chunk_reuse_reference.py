@@ -62,10 +62,11 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from chunk_quality import Item, Prompts
+from chunk_quality import Item, Prompts, is_right
 from chunk_recompute_reference import KV, forward, kv_of, prepare, recompute
 from chunk_recompute_reference import positions as span_positions
 from quality_report import clustered, paired
+from reuse_choose import choose_answer
 from reuse_paths import path_answer
 from reuse_workload import GENERATORS, reuse_sets
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -251,7 +252,10 @@ def mode_kvs(model, pool, prompt, order, items, cold, mode, state) -> dict:
         return {key: (prompt.full, 1.0) for key, _ in items}  # first sight: exact
     if spec["base"] == "paths":
         return {key: path_answer(model, pool.tokenizer, pool, order,
-                                 item.segments[-1], spec["arg"])
+                                 item.segments[-1], spec["arg"], item.max_tokens)
+                for key, item in items}  # fmt: skip
+    if spec["base"] == "choose":
+        return {key: choose_answer(model, pool, order, item, spec, moved, answer_many)
                 for key, item in items}  # fmt: skip
     parts, forced, fresh = [rows(prompt.full, 0, prompt.lengths[0])], set(), []
     for where, doc in enumerate(order):
@@ -289,11 +293,11 @@ def mode_kvs(model, pool, prompt, order, items, cold, mode, state) -> dict:
 
 @torch.no_grad()
 def answer_many(
-    model, tokenizer, kvs: list[KV], at: int, question: list[int]
+    model, tokenizer, kvs: list[KV], at: int, question: list[int], steps: int = 8
 ) -> list[str]:
     """Greedy answers to ``question`` after each of ``kvs`` (all ``at``
-    long), in one batch: up to 8 tokens, to a newline or the end of turn
-    (where vLLM stops)."""
+    long), in one batch: up to ``steps`` tokens, to a newline or the end of
+    turn (where vLLM stops)."""
     cache = DynamicCache()
     for n in range(len(kvs[0])):
         cache.update(
@@ -302,7 +306,7 @@ def answer_many(
     feed = torch.tensor([question] * len(kvs))
     tokens: list[list[int]] = [[] for _ in kvs]
     done = [False] * len(kvs)
-    for _ in range(8):
+    for _ in range(steps):
         logits = model(
             input_ids=feed,
             position_ids=torch.arange(at, at + feed.shape[1])[None].expand(
@@ -333,8 +337,10 @@ def run_prompt(model, pool, prompt, order, items, cold, due, states, results) ->
         for mode in due[first : first + BATCH]:
             for key, got in mode_kvs(model, pool, prompt, order, items, cold, mode,
                                      states[mode]).items():  # fmt: skip
-                if isinstance(got, str):
+                if isinstance(got, str):  # answer paths' text
                     results[mode][key] = [None, 0.0, got]
+                elif isinstance(got[0], str):  # choose: text, documents kept
+                    results[mode][key] = [None, 0.0, got[0], got[1]]
                 else:
                     answers.setdefault(key, []).append((mode, *got))
         for key, item in items:
@@ -342,20 +348,20 @@ def run_prompt(model, pool, prompt, order, items, cold, due, states, results) ->
             if not batch:
                 continue
             texts = answer_many(model, tokenizer, [kv for _, kv, _ in batch],
-                                prompt.end, item.segments[-1])  # fmt: skip
+                                prompt.end, item.segments[-1],
+                                item.max_tokens)  # fmt: skip
             for (mode, _, share), text in zip(batch, texts, strict=True):
                 results[mode][key] = [None, share, text]
         for key, item in items:
             for mode in due[first : first + BATCH]:
                 got = results[mode][key]
-                got[0] = item.expected.lower() in got[2].lower()
+                got[0] = is_right(item, got[2])
 
 
 def run_set(model, prompts, rset, number, modes, results) -> bool:
     """Every mode not yet done on set ``number``, whole (a store policy
     depends on the order of the set's prompts); False if none was due."""
-    keys = {f"{number}.{item.prompt.split('.')[1]}.{n % 4}": item
-            for n, item in enumerate(rset.items)}  # fmt: skip
+    keys = question_keys(rset.items, number)
     due = [m for m in modes if not all(k in results.get(m, {}) for k in keys)]
     if not due:
         return False
@@ -376,36 +382,65 @@ def run_set(model, prompts, rset, number, modes, results) -> bool:
             run_prompt(
                 model, pool, prompt, order, mine, kind == "c", due, states, results
             )
+            pool.memo.clear()  # a prompt's paths: ~150 MB a question, not reused
     return True
 
 
-def report(results: dict, modes: list[str]) -> None:
+def question_keys(items: list[Item], number: int) -> dict[str, Item]:
+    """``SET.PROMPT.J`` -> the J-th question on that prompt (the one-document
+    questions first: the keys of the runs before two-document questions)."""
+    keys: dict[str, Item] = {}
+    count: Counter[str] = Counter()
+    for item in items:
+        prompt = item.prompt.split(".")[1]
+        keys[f"{number}.{prompt}.{count[prompt]}"] = item
+        count[prompt] += 1
+    return keys
+
+
+def report(results: dict, modes: list[str], two_doc: dict[str, bool]) -> None:
+    """Per mode and question kind (one document, two): first-sight and warm
+    accuracy, each paired against full attention (per question; by prompt),
+    and the share recomputed or the documents kept, warm."""
     full = results.get("full", {})
     print(
-        "| mode | first sight | vs full (paired 95%; by prompt) | warm | "
-        "vs full (paired 95%; by prompt) | recomputed, warm |"
+        "| mode | questions | first sight | vs full (paired 95%; by prompt) | "
+        "warm | vs full (paired 95%; by prompt) | recomputed or kept, warm |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for mode in modes:
         done = results.get(mode, {})
-        cells = []
-        for kind in (".c", ".w"):
-            keys = sorted(k for k in done if kind in k and k in full)
-            if not keys:
-                cells += ["-", "-"]
-                continue
-            mine = [done[k][0] for k in keys]
-            theirs = [full[k][0] for k in keys]
-            right = f"{sum(mine) / len(mine):.1%} ({sum(mine)}/{len(mine)})"
-            diff = "-"
-            if mode != "full" and len(keys) > 1:
-                mean, half = paired(mine, theirs)
-                _, by = clustered(mine, theirs, [k.rsplit(".", 1)[0] for k in keys])
-                diff = f"{mean:+.1%} ± {half:.1%} (± {by:.1%})"
-            cells += [right, diff]
-        warm = [v[1] for k, v in done.items() if ".w" in k]
-        share = f"{statistics.mean(warm):.1%}" if warm else "-"
-        print(f"| {mode} | {' | '.join(cells)} | {share} |")
+        for two in sorted({two_doc.get(k, False) for k in done}):
+            cells = []
+            for kind in (".c", ".w"):
+                keys = sorted(k for k in done if kind in k and k in full
+                              and two_doc.get(k, False) == two)  # fmt: skip
+                cells += _cells(mode, keys, done, full)
+            warm = [v for k, v in done.items()
+                    if ".w" in k and two_doc.get(k, False) == two]  # fmt: skip
+            kept = [v[3] for v in warm if len(v) > 3]
+            share = "-"
+            if kept:
+                share = f"{statistics.mean(kept):.2f} documents"
+            elif warm:
+                share = f"{statistics.mean(v[1] for v in warm):.1%}"
+            what = "two documents" if two else "one document"
+            print(f"| {mode} | {what} | {' | '.join(cells)} | {share} |")
+
+
+def _cells(mode: str, keys: list[str], done: dict, full: dict) -> list[str]:
+    """Accuracy and the paired difference against full attention."""
+    if not keys:
+        return ["-", "-"]
+    mine = [done[k][0] for k in keys]
+    theirs = [full[k][0] for k in keys]
+    right = f"{sum(mine) / len(mine):.1%} ({sum(mine)}/{len(mine)})"
+    diff = "-"
+    if mode != "full" and len(keys) > 1:
+        mean, half = paired(mine, theirs)
+        _, by = clustered(mine, theirs, [k.rsplit(".", 1)[0] for k in keys])
+        diff = f"{mean:+.1%} ± {half:.1%} (± {by:.1%})"
+    return [right, diff]
 
 
 @contextlib.contextmanager
@@ -431,6 +466,11 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=3)
     parser.add_argument("--first-set", type=int, default=0)
     parser.add_argument("--warm-prompts", type=int, default=4)
+    parser.add_argument("--per-doc", type=int, default=1,
+                        help="one-document questions per document")  # fmt: skip
+    parser.add_argument("--pairs", action="store_true",
+                        help="also two-document questions (neighbours)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="other pools")
     parser.add_argument("--modes", nargs="+", default=["full", "inplace"])
     parser.add_argument("--results", help="JSON: answers kept, runs resumed")
     parser.add_argument("--lock", help="a lock file held while each set runs")
@@ -441,12 +481,18 @@ def main() -> None:
         args.model, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
     options = argparse.Namespace(sets=args.sets, pool=8, docs=4, doc_tokens=500,
-                                 warm_prompts=args.warm_prompts)  # fmt: skip
-    sets = reuse_sets(prompts, GENERATORS[args.generator](0), options, Item,
+                                 warm_prompts=args.warm_prompts,
+                                 per_doc=args.per_doc, pairs=args.pairs,
+                                 seed=args.seed)  # fmt: skip
+    sets = reuse_sets(prompts, GENERATORS[args.generator](args.seed), options, Item,
                       same_order=args.workload == "fixed")  # fmt: skip
     saved = Path(args.results) if args.results else None
     results = json.loads(saved.read_text()) if saved and saved.exists() else {}
     meta = {"generator": args.generator, "workload": args.workload}
+    # Left out at their defaults, so the results of earlier runs still load.
+    defaults = {"per_doc": 1, "pairs": False, "seed": 0, "warm_prompts": 4}
+    meta.update({k: getattr(args, k) for k, d in defaults.items()
+                 if getattr(args, k) != d})  # fmt: skip
     if results.pop("_args", meta) != meta:
         raise SystemExit(f"{saved} holds another workload's results")
     for number in range(args.first_set, args.sets):
@@ -457,7 +503,9 @@ def main() -> None:
             saved.write_text(json.dumps({"_args": meta, **results}))
         print(f"set {number + 1}/{args.sets} ({time.perf_counter() - started:.0f} s)",
               flush=True)  # fmt: skip
-    report(results, args.modes)
+    kinds = {k: i.two_hop for n, rset in enumerate(sets)
+             for k, i in question_keys(rset.items, n).items()}  # fmt: skip
+    report(results, args.modes, kinds)
 
 
 if __name__ == "__main__":

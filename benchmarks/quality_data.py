@@ -123,6 +123,19 @@ class Person:
             (f"What is the name of {n}'s pet?", f"{n}'s pet is named", self.pet),
         ]
 
+    def pair_question(self, other: Person) -> tuple[str, str, tuple[str, str]]:
+        """A question that needs this profile and ``other``'s: where both
+        live, this person's town first (question, answer lead, the towns).
+        The answer's form is spelled out: this model then names both towns
+        far more often (benchmarks/reuse_workload.py, two-document questions)."""
+        a, b = self.name, other.name
+        return (
+            f"In which towns do {a} and {b} live? Answer in the form: {a} lives "
+            f"in the town of ..., and {b} lives in the town of ...",
+            f"{a} lives in the town of",
+            (self.town, other.town),
+        )
+
     def two_hop(self) -> tuple[str, str, str]:
         """A question that needs this person's profile and the friend's."""
         assert self.friend is not None

@@ -14,7 +14,8 @@ Brelmor lantern."), naming the next product of the group, and a two-document
 question about it, for the benchmarks' controlled variants.
 
 The interface is the profiles' (``group``, ``profile``, ``questions``,
-``two_hop``, ``friend``), so the benchmarks take either kind.
+``pair_question``, ``two_hop``, ``friend``, ``town``), so the benchmarks
+take either kind.
 """
 
 from __future__ import annotations
@@ -113,6 +114,18 @@ class Product:
             (f"What is the code name of the {n}?",
              f"The code name of the {n} is", self.code),
         ]  # fmt: skip
+
+    def pair_question(self, other: Product) -> tuple[str, str, tuple[str, str]]:
+        """A question that needs this sheet and ``other``'s: where both are
+        built, this product's town first (question, answer lead, the towns).
+        No form spelled out: on sheets this model names both towns more
+        often without one (benchmarks/reuse_workload.py)."""
+        a, b = self.name, other.name
+        return (
+            f"In which towns are the {a} and the {b} built?",
+            f"The {a} is built in the town of",
+            (self.town, other.town),
+        )
 
     def two_hop(self) -> tuple[str, str, str]:
         """A question that needs this sheet and its companion's."""

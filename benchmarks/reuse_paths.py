@@ -17,15 +17,14 @@ question likely), and the paths are combined by a rule:
   token wins;
 - ``joint``: the path whose question and answer together are likeliest.
 
-The paths of a question run as one batch (left-padded); all rules of one
-question are answered at once and kept on the pool, as modes ask for them
-one by one.
+The paths of a question run as one batch (left-padded), scored once and
+kept on the pool; each rule answers when a mode first asks for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -89,16 +88,20 @@ def open_paths(model, prefixes: list[list], question: list[int]) -> Paths:
 
 
 def decode(
-    model, tokenizer, paths: Paths, choose: Callable[[torch.Tensor], torch.Tensor]
+    model,
+    tokenizer,
+    paths: Paths,
+    choose: Callable[[torch.Tensor], torch.Tensor],
+    steps: int = STEPS,
 ) -> list[tuple[str, float, int]]:
     """Greedy tokens, ``choose(log-probs [B, V]) -> [B]`` per step (one per
-    path, or one for all): per path (text to a newline or the end of turn,
-    summed log-prob of its tokens, their count)."""
+    path, or one for all), up to ``steps``: per path (text to a newline or
+    the end of turn, summed log-prob of its tokens, their count)."""
     cache, mask, at, logp = cache_of(paths.kv), paths.mask, paths.at, paths.logp
     count = len(at)
     tokens: list[list[int]] = [[] for _ in range(count)]
     scores, done = [0.0] * count, [False] * count
-    for _ in range(STEPS):
+    for _ in range(steps):
         chosen = choose(logp)
         for row, token in enumerate(chosen.tolist()):
             if done[row] or token == tokenizer.eos_token_id:
@@ -121,31 +124,71 @@ def decode(
     ]
 
 
-def answers(model, tokenizer, pool, order: list[int], question: list[int]) -> dict:
-    """Every rule's answer for ``question`` on the documents ``order``."""
-    prefixes = [_prefix(pool, pool.variant("solo", doc)[0]) for doc in order]
-    every = open_paths(model, [*prefixes, pool.system_kv], question)
-    docs = every.rows(list(range(len(order))))
+@dataclass(slots=True)
+class Scored:
+    """One question's paths on one prompt: scored once, each rule answered
+    when first asked for (``answers``: (rule, steps) -> text)."""
+
+    every: Paths  # each document's path, then the system prompt alone's
+    count: int  # documents
+    question: list[int]
+    answers: dict = field(default_factory=dict)
+
+    @property
+    def docs(self) -> Paths:
+        return self.every.rows(list(range(self.count)))
+
+    def per_token(self) -> list[float]:
+        """Each path's question log-likelihood per scored token (the
+        question's tokens after its first, as the engine scores them)."""
+        tokens = max(len(self.question) - 1, 1)
+        return [float(q) / tokens for q in self.every.question[: self.count]]
+
+
+def scored(model, pool, order: list[int], question: list[int]) -> Scored:
+    """``question``'s paths on the documents ``order`` (kept on the pool)."""
+    key = (tuple(order), tuple(question))
+    if key not in pool.memo:
+        prefixes = [_prefix(pool, pool.variant("solo", doc)[0]) for doc in order]
+        every = open_paths(model, [*prefixes, pool.system_kv], question)
+        pool.memo[key] = Scored(every, len(order), list(question))
+    return pool.memo[key]
+
+
+def rule_answer(model, tokenizer, paths: Scored, rule: str, steps: int) -> str:
+    """``rule``'s answer (module docstring), up to ``steps`` tokens."""
+    if (rule, steps) in paths.answers:
+        return paths.answers[rule, steps]
+    docs, count = paths.docs, paths.count
     posterior = docs.question.log_softmax(0)
-    alone = decode(model, tokenizer, docs, lambda lp: lp.argmax(-1))
-    best = int(posterior.argmax())
-    joint = [float(q) + a[1] for q, a in zip(docs.question, alone, strict=True)]
+    greedy = lambda lp: lp.argmax(-1)  # noqa: E731
+    if rule == "top1":
+        best = int(posterior.argmax())
+        text = decode(model, tokenizer, docs.rows([best]), greedy, steps)[0][0]
+    elif rule in ("answer", "joint"):
+        alone = decode(model, tokenizer, docs, greedy, steps)
+        if rule == "answer":
+            text = max(alone, key=lambda a: a[1] / a[2])[0]
+        else:
+            joint = [float(q) + a[1] for q, a in zip(docs.question, alone, strict=True)]
+            text = alone[joint.index(max(joint))][0]
+    elif rule == "mix":
 
-    def mixed(lp: torch.Tensor) -> torch.Tensor:
-        token = (posterior[:, None] + lp).logsumexp(0).argmax()
-        return token.expand(len(order))
+        def mixed(lp: torch.Tensor) -> torch.Tensor:
+            return (posterior[:, None] + lp).logsumexp(0).argmax().expand(count)
 
-    def pced(lp: torch.Tensor) -> torch.Tensor:
-        support = (1 + BETA) * lp[:-1] - BETA * lp[-1] + posterior[:, None]
-        return support.max(0).values.argmax().expand(len(order) + 1)
+        text = decode(model, tokenizer, docs, mixed, steps)[0][0]
+    elif rule == "pced":
 
-    return {
-        "top1": alone[best][0],
-        "answer": max(alone, key=lambda a: a[1] / a[2])[0],
-        "joint": alone[joint.index(max(joint))][0],
-        "mix": decode(model, tokenizer, docs, mixed)[0][0],
-        "pced": decode(model, tokenizer, every, pced)[0][0],
-    }
+        def pced(lp: torch.Tensor) -> torch.Tensor:
+            support = (1 + BETA) * lp[:-1] - BETA * lp[-1] + posterior[:, None]
+            return support.max(0).values.argmax().expand(count + 1)
+
+        text = decode(model, tokenizer, paths.every, pced, steps)[0][0]
+    else:
+        raise ValueError(f"unknown path rule {rule!r}")
+    paths.answers[rule, steps] = text
+    return text
 
 
 def _prefix(pool, doc_kv: list) -> list:
@@ -156,10 +199,8 @@ def _prefix(pool, doc_kv: list) -> list:
     ]
 
 
-def path_answer(model, tokenizer, pool, order, question, rule: str) -> str:
-    key = (tuple(order), tuple(question))
-    if key not in pool.memo:
-        pool.memo[key] = answers(model, tokenizer, pool, list(order), question)
-    if rule not in pool.memo[key]:
-        raise ValueError(f"unknown path rule {rule!r}: {sorted(pool.memo[key])}")
-    return pool.memo[key][rule]
+def path_answer(
+    model, tokenizer, pool, order, question, rule: str, steps: int = STEPS
+) -> str:
+    paths = scored(model, pool, list(order), question)
+    return rule_answer(model, tokenizer, paths, rule, steps)
