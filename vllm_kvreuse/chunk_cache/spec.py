@@ -118,7 +118,7 @@ SPEC = FeatureSpec(
         Option(
             "chunk_choose_margin",
             parse_margin,
-            0.1,
+            1.0,
             "With chunk_attention 'choose': keep every document whose path "
             "scores within this many nats per question token of the best "
             "path's (mean log-probability of the tokens after the document).",
