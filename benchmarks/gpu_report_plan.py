@@ -264,6 +264,7 @@ class Plan:
                 requests=sizes.requests,
                 concurrency=1,
                 warm_recompute=['"none"'],
+                warm_attention=[],
             )
             return {"plain": url("rag_plain"), "chunk": url("rag_chunk"), "args": args}
         if name == "beams":
