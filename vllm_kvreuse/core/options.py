@@ -59,12 +59,18 @@ def parse_tokens(value: Any, name: str) -> int:
 
 def parse_margin(value: Any, name: str) -> float:
     """Returns ``value`` as a finite, non-negative number."""
+    return _non_negative(value, name, "a non-negative number")
+
+
+def _non_negative(value: Any, name: str, what: str) -> float:
+    """``value`` as a finite float >= 0 (no booleans), else ``ValueError``
+    saying it must be ``what``."""
     try:
         number = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
         number = math.nan
     if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     return number
 
 
@@ -92,13 +98,7 @@ def parse_bool(value: Any, name: str) -> bool:
 
 def parse_gib(value: Any, name: str) -> float:
     """Returns ``value`` as a finite, non-negative number of GiB."""
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        number = math.nan
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{name} must be a non-negative number of GiB, got {value!r}")
-    return number
+    return _non_negative(value, name, "a non-negative number of GiB")
 
 
 def parse_gib_or_auto(value: Any, name: str) -> float | str:

@@ -298,9 +298,8 @@ class ChunkScheduler:
         kept = self._kept.pop(request.request_id, None)
         return None if kept is None else {DOCUMENTS_KEPT: kept}
 
-    def note_decided(self, request_id: str, documents: int, kept: int) -> None:
-        """Answer paths decided ``request_id`` on ``kept`` of its
-        ``documents``."""
+    def note_decided(self, request_id: str, kept: int) -> None:
+        """Answer paths decided ``request_id`` on ``kept`` documents."""
         self.store.stats.decided += 1
         self.store.stats.documents_kept += kept
         self._kept[request_id] = kept

@@ -48,9 +48,9 @@ class Voting:
     """Chunked requests waiting for their paths' scores."""
 
     def __init__(
-        self, core: Core, owner: Spawner, on_decided: Callable[[str, int, int], None]
+        self, core: Core, owner: Spawner, on_decided: Callable[[str, int], None]
     ) -> None:
-        """``on_decided(request_id, documents, kept)`` hears each decision."""
+        """``on_decided(request_id, kept)`` hears each decision."""
         self.core = core
         self._owner = owner
         self._on_decided = on_decided
@@ -137,4 +137,4 @@ class Voting:
         # Waiting, never scheduled: no block, nothing computed.
         self.core.upstream.retoken(request, tokens, 0, [], params)
         self.num_decided += 1
-        self._on_decided(request.request_id, len(ballot.paths), len(kept))
+        self._on_decided(request.request_id, len(kept))
