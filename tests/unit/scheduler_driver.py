@@ -36,12 +36,18 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import (
+    KVConnectorOutput,
+    LogprobsLists,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.conftest import BLOCK_SIZE
 from vllm_kvreuse.beam import result as beam_result
+from vllm_kvreuse.chunk_cache.engine.plan import ChunkWorkerReport
 from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
 from vllm_kvreuse.chunk_cache.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
@@ -224,6 +230,13 @@ class Driver:
         self.max_idle_steps = 0
         self.log: list[str] = []  # the actions, for failure messages
         self.seen: Counter[str] = Counter()  # what happened, for statistics
+        # The workers' chunk bytes: key -> (stored start, origin), as the
+        # step's store decisions and saves leave them; ``broken``: chunks
+        # whose bytes a tier lost (reported with the next step).
+        self.chunk_bytes: dict[bytes, tuple[int, bytes]] = {}
+        self.broken: set[bytes] = set()
+        self.healing: set[bytes] = set()  # lost, not stored again yet
+        self.reported_lost: set[bytes] = set()  # lost, reported, not stored again
 
     # -- a client's and an engine core's actions ---------------------------------
 
@@ -282,12 +295,50 @@ class Driver:
         if abort_during is not None and open_clients:
             self.abort(open_clients[abort_during % len(open_clients)])
             self.seen["aborts while a batch runs"] += 1
-        engine_outputs = scheduler.update_from_output(
-            output, fake_model_output(scheduler, output, sampling, variant, eos)
-        )
+        model_output = fake_model_output(scheduler, output, sampling, variant, eos)
+        model_output.kv_connector_output = self._run_chunk_work(output)
+        engine_outputs = scheduler.update_from_output(output, model_output)
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
                 self._receive(out)
+
+    def lose_chunk(self, key: bytes) -> None:
+        """A tier loses ``key``'s bytes (a damaged file, a store eviction):
+        reported with the next step that runs, as a worker reports it."""
+        self.chunk_bytes.pop(key, None)
+        self.broken.add(key)
+        self.healing.add(key)
+        self.log.append(f"lose chunk {key.hex()[:8]}")
+
+    def _run_chunk_work(self, output: SchedulerOutput) -> KVConnectorOutput:
+        """The workers' side of a step's chunk metadata, as
+        :class:`~vllm_kvreuse.chunk_cache.worker.chunks.ChunkWorker` runs it:
+        a load of bytes other than the plan names (lost, or another chunk
+        stored under the key since) fails its blocks; a wrong load would
+        show as a load of bytes that do not match, which is never made."""
+        meta = output.kv_connector_metadata
+        for op in meta.ops:
+            if op.kind == "evict":
+                self.chunk_bytes.pop(op.key, None)
+        invalid: set[int] = set()
+        for load in meta.loads:
+            for piece in load.pieces:
+                stored = self.chunk_bytes.get(piece.key)
+                if stored != (piece.stored_start, piece.origin):
+                    first = piece.dst_start // BLOCK_SIZE
+                    last = (piece.dst_start + piece.count - 1) // BLOCK_SIZE
+                    invalid.update(load.block_ids[first : last + 1])
+                    self.seen["chunk loads failed"] += 1
+        for save in meta.saves:
+            self.chunk_bytes[save.key] = (save.start, save.origin)
+            self.seen["chunks stored again after a loss"] += save.key in self.healing
+            self.healing.discard(save.key)
+        lost, self.broken = self.broken, set()
+        self.reported_lost |= lost
+        return KVConnectorOutput(
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=ChunkWorkerReport(lost) if lost else None,
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self._in_flight)
@@ -310,6 +361,7 @@ class Driver:
         meta = output.kv_connector_metadata
         self.seen["chunk loads"] += len(meta.loads)
         self.seen["chunk saves"] += len(meta.saves)
+        self.reported_lost -= {save.key for save in meta.saves}
         self.seen["chunk demotions"] += sum(
             (op.kind, op.target) == ("move", "cpu") for op in meta.ops
         )
@@ -349,6 +401,7 @@ class Driver:
         check_block_accounting(self.scheduler)
         _assert_chunk_index_consistent(self.side)
         _assert_waiting_chunks_pinned(self)
+        _assert_lost_chunks_not_offered(self)
         _assert_holds_live(self.scheduler)
 
     def check_drained(self) -> None:
@@ -430,6 +483,18 @@ def _assert_chunk_index_consistent(side: ChunkScheduler) -> None:
     )
 
 
+def _assert_lost_chunks_not_offered(driver: Driver) -> None:
+    """A chunk whose loss the workers reported is not stored, so no later
+    request plans to load it, until a request stores it again."""
+    index = driver.side.store.index
+    for key in driver.reported_lost:
+        entry = index.get(key)
+        assert entry is None or not entry.ready, (
+            f"chunk {key.hex()[:8]} was lost, yet the store offers it "
+            f"({entry.pins} pins)"
+        )
+
+
 def _assert_waiting_chunks_pinned(driver: Driver) -> None:
     """Every chunk a pinned plan will load is in the store and pinned, so no
     eviction can take it before its load; every chunk a plan will store is
@@ -437,9 +502,10 @@ def _assert_waiting_chunks_pinned(driver: Driver) -> None:
     side = driver.side
     index = side.store.index
     for request_id, plan in side.plans.items():
+        held = {key: entry for key, entry in plan.held}
         for chunk in plan.chunks:
             entry = index.get(chunk.key)
-            if plan.pinned and chunk.loads:
+            if plan.pinned and chunk.loads and entry is held.get(chunk.key):
                 assert entry is not None and entry.ready and entry.pins > 0, (
                     f"{request_id} will load chunk {chunk.key.hex()[:8]}, which is "
                     f"{'unpinned' if entry else 'not stored'}"

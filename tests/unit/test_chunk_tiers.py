@@ -77,14 +77,32 @@ def test_shared_chunks_stay_known_after_they_leave_the_local_tiers() -> None:
     idx = index(device=10)
     store = ChunkStore(idx, hash, IDENTITY)
     assert idx.add(b"s", Meta(10, 0, b"o"), "remote")
-    assert idx.used["device"] == 0 and store.stored(b"s") is not None
-    store.pin([b"s"])
-    assert store.prepare_load(b"s") == "remote"
-    assert idx.get(b"s").tier == "device" and store.stats.remote_hits == 1
-    store.unpin([b"s"])
+    assert idx.used["device"] == 0 and store.is_known(b"s")
+    entry = store.hold(b"s")
+    assert entry is not None and store.stats.remote_hits == 1
+    assert idx.get(b"s").tier == "device" and idx.get(b"s").pins == 1
+    store.let_go([(b"s", entry)])
     ready(idx, b"t", 10)  # s leaves the device, stays known in the shared store
-    assert idx.get(b"s").tier == "remote" and idx.used["device"] == 10
-    assert idx.clear() == 2 and idx.get(b"s") is None  # clear forgets it too
+    assert idx.get(b"s") is None and idx.remote[b"s"] == Meta(10, 0, b"o")
+    assert store.is_known(b"s") and idx.used["device"] == 10
+    assert idx.clear() == 2 and not store.is_known(b"s")  # clear forgets it too
+
+
+def test_remote_records_are_bounded_and_never_walked(monkeypatch) -> None:
+    """A reservation's cost does not grow with the chunks the shared store
+    is known to hold: they are records beside the entries, at most
+    REMOTE_KNOWN of them."""
+    from vllm_kvreuse.chunk_cache.engine import index as index_module
+
+    monkeypatch.setattr(index_module, "REMOTE_KNOWN", 1000)
+    idx = index(device=10)
+    for number in range(100_000):
+        idx.add(number.to_bytes(4, "big"), Meta(1, 0, b"o"), "remote")
+    assert len(idx.remote) == 1000 and not idx.entries
+    assert (99_999).to_bytes(4, "big") in idx.remote  # the latest kept
+    ready(idx, b"a", 10)
+    ready(idx, b"b", 10)  # makes room among the one local entry only
+    assert list(idx.entries) == [b"b"]
 
 
 def test_a_chunk_asked_for_soon_after_its_eviction_counts_as_thrashing() -> None:
@@ -100,16 +118,19 @@ def test_a_chunk_asked_for_soon_after_its_eviction_counts_as_thrashing() -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_blob_gives_back_its_tensor_bit_for_bit(dtype: torch.dtype) -> None:
     tensor = torch.randn(3, 2, 17, 2, 32).to(dtype)
-    blob = encode(tensor, b"k", "fp")
-    assert torch.equal(
-        decode(blob, b"k", "fp").view(torch.uint8), tensor.view(torch.uint8)
-    )
+    meta = Meta(17, 3, b"origin")
+    blob = encode(tensor, b"k", "fp", meta)
+    got, got_meta = decode(blob, b"k", "fp", expect=meta)
+    assert got_meta == meta
+    assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8))
     damaged = bytearray(blob)
     damaged[-3] ^= 1
     cases = [(bytes(damaged), b"k", "fp"), (blob, b"x", "fp"), (blob, b"k", "other")]
     for bad, key, store in [*cases, (blob[:40], b"k", "fp")]:
         with pytest.raises(CorruptChunk):
             decode(bad, key, store)
+    with pytest.raises(CorruptChunk):  # another rank's bytes
+        decode(blob, b"k", "fp", rank=1)
 
 
 def test_disk_files_are_read_back_by_a_restart_of_the_same_layout(tmp_path) -> None:
@@ -119,7 +140,7 @@ def test_disk_files_are_read_back_by_a_restart_of_the_same_layout(tmp_path) -> N
     DiskFiles(tmp_path, "fp", 0, 2).write(b"half", tensor, META)  # rank 1 missing
     DiskFiles(tmp_path, "other", 0, 2).write(b"b", tensor, META)
     assert DiskFiles(tmp_path, "fp", 0, 2).scan() == [(b"a", META)]
-    assert torch.equal(DiskFiles(tmp_path, "fp", 1, 2).read(b"a"), tensor + 1)
+    assert torch.equal(DiskFiles(tmp_path, "fp", 1, 2).read(b"a", META), tensor + 1)
     assert not list(tmp_path.rglob("*.tmp"))
     idx = index(device=0, disk=100)
     assert all(
@@ -129,8 +150,10 @@ def test_disk_files_are_read_back_by_a_restart_of_the_same_layout(tmp_path) -> N
     assert idx.get(b"a").ready and idx.used["disk"] == 8
 
 
-def worker(tmp_path: Path, shared: SharedStore | None = None) -> LocalTiers:
-    return LocalTiers(torch.device("cpu"), DiskFiles(tmp_path, "fp", 0, 1), shared)
+def worker(tmp_path: Path, shared: SharedStore | None = None, **kwargs) -> LocalTiers:
+    return LocalTiers(
+        torch.device("cpu"), DiskFiles(tmp_path, "fp", 0, 1), shared, **kwargs
+    )
 
 
 def test_a_worker_moves_chunks_down_and_up_bit_for_bit(tmp_path) -> None:
@@ -138,18 +161,23 @@ def test_a_worker_moves_chunks_down_and_up_bit_for_bit(tmp_path) -> None:
 
     tiers = worker(tmp_path)
     tensor = torch.randn(2, 2, 8, 1, 32).to(torch.bfloat16)
-    tiers.put(b"a", tensor)
-    tiers.apply(StoreOp("move", b"a", "device", "cpu"))
+    tiers.put(b"a", tensor, META)
+    tiers.apply(StoreOp("move", b"a", "device", "cpu", META))
     tiers.apply(StoreOp("move", b"a", "cpu", "disk", META))
     assert tiers.get(b"a") is None
-    tiers.apply(StoreOp("move", b"a", "disk", "device"))  # while or after writing
+    tiers.apply(StoreOp("move", b"a", "disk", "device", META))  # while writing
     assert torch.equal(tiers.get(b"a"), tensor)
+    tiers.close()
+    assert not list(tmp_path.rglob("*.kv"))  # back up: its file went
+    tiers = worker(tmp_path)
+    tiers.put(b"a", tensor, META)
+    tiers.apply(StoreOp("move", b"a", "cpu", "disk", META))
     tiers.close()
     assert DiskFiles(tmp_path, "fp", 0, 1).scan() == [(b"a", META)]
     fresh = worker(tmp_path)  # a restart reads the file
-    fresh.apply(StoreOp("move", b"a", "disk", "device"))
+    fresh.apply(StoreOp("move", b"a", "disk", "device", META))
     assert torch.equal(fresh.get(b"a"), tensor) and not fresh.take_lost()
-    fresh.apply(StoreOp("evict", b"a"))
+    fresh.apply(StoreOp("evict", b"a", meta=META))
     fresh.close()
     assert not list(tmp_path.rglob("*.kv"))
 
@@ -158,7 +186,7 @@ def test_a_damaged_or_unwritable_disk_loses_the_chunk_not_the_worker(tmp_path) -
     from vllm_kvreuse.chunk_cache.engine.index import StoreOp
 
     tiers = worker(tmp_path)
-    tiers.put(b"a", torch.ones(1, 2, 4, 1, 32))
+    tiers.put(b"a", torch.ones(1, 2, 8, 1, 32), META)
     tiers.apply(StoreOp("move", b"a", "cpu", "disk", META))
     tiers.close()
     path = DiskFiles(tmp_path, "fp", 0, 1).blob_path(b"a")
@@ -166,7 +194,7 @@ def test_a_damaged_or_unwritable_disk_loses_the_chunk_not_the_worker(tmp_path) -
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     tiers = worker(tmp_path)
-    tiers.apply(StoreOp("move", b"a", "disk", "device"))
+    tiers.apply(StoreOp("move", b"a", "disk", "device", META))
     assert tiers.get(b"a") is None and tiers.take_lost() == {b"a"}
     # The tier's directory replaced by a file: every write fails (as on a full disk).
     directory = DiskFiles(tmp_path, "fp", 0, 1).directory
@@ -174,7 +202,7 @@ def test_a_damaged_or_unwritable_disk_loses_the_chunk_not_the_worker(tmp_path) -
         file.unlink()
     directory.rmdir()
     directory.write_text("not a directory")
-    tiers.put(b"b", torch.ones(1, 2, 4, 1, 32))
+    tiers.put(b"b", torch.ones(1, 2, 8, 1, 32), META)
     tiers.apply(StoreOp("move", b"b", "cpu", "disk", META))
     tiers.close()
     assert tiers.take_lost() == {b"b"}
@@ -194,7 +222,7 @@ def test_the_shared_store_gives_back_what_a_server_wrote(valkey, tmp_path) -> No
     assert writer.put(b"a", tensor, META)
     reader = SharedStore(valkey.url, "fp", rank=0)
     assert reader.lookup([b"a", b"b"]) == {b"a": META}
-    assert torch.equal(reader.get(b"a"), tensor)
+    assert torch.equal(reader.get(b"a", META), tensor)
     assert SharedStore(valkey.url, "other", rank=0).lookup([b"a"]) == {}
     with pytest.raises(CorruptChunk):
         reader.get(b"b")
@@ -205,13 +233,13 @@ def test_a_shared_store_that_dies_loses_chunks_not_requests(valkey, tmp_path) ->
 
     store = SharedStore(valkey.url, "fp", rank=0, timeout=0.5)
     tiers = worker(tmp_path, store)
-    tiers.put(b"a", torch.ones(1, 2, 4, 1, 32))
+    tiers.put(b"a", torch.ones(1, 2, 8, 1, 32), META)
     tiers.publish(b"a", META)
     tiers.close()
     valkey.kill()
     assert store.lookup([b"a"]) == {} and not store.available
     tiers = worker(tmp_path, store)
-    tiers.apply(StoreOp("move", b"a", "remote", "device"))
+    tiers.apply(StoreOp("move", b"a", "remote", "device", META))
     assert tiers.take_lost() == {b"a"}
     tiers.close()
 

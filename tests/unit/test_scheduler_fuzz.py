@@ -5,7 +5,8 @@ vLLM's ``Scheduler`` or ``AsyncScheduler``) and the chunk-cache connector's
 scheduler side (:mod:`tests.unit.scheduler_driver`) through random arrivals
 (plain requests, retained parents, children of any parent, beam roots,
 chunked requests over five shared documents, requests with a cache-hit
-threshold), client aborts (between steps and while a batch runs),
+threshold), tier failures (a stored chunk's bytes lost, pinned or not:
+its loads fail their blocks, vLLM recomputes them), client aborts (between steps and while a batch runs),
 preemptions, failures of any request (beam members too), retention
 expiries, cache resets and steps. Chunks computed in place are stored late,
 in any order relative to other requests, because the token budget splits
@@ -65,6 +66,8 @@ EXERCISED = (
     "chunk demotions",  # to the CPU tier
     "chunk refused",  # a chunk larger than the store, or a store full of pins
     "chunk exact_hits",  # a chunk loaded where it was computed
+    "chunk loads failed",  # bytes a tier lost, or another chunk's since
+    "chunks stored again after a loss",  # a lost chunk heals
     "upstream preemptions",
     "copy-on-write forks",  # beam members and children inheriting blocks
     "beam STOP beams",
@@ -267,6 +270,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.d.add(request, "chunked")
 
     # -- a client's and the engine's interventions -------------------------------
+
+    @precondition(lambda self: self.driver and self.driver.chunk_bytes)
+    @rule(which=st.integers(0, 1000))
+    def lose_chunk(self, which: int) -> None:
+        """A tier loses a stored chunk's bytes, whoever has it pinned."""
+        keys = sorted(self.d.chunk_bytes)
+        self.d.lose_chunk(keys[which % len(keys)])
 
     @precondition(lambda self: self.driver and self.driver.open_clients())
     @rule(which=st.integers(0, 1000))

@@ -190,11 +190,12 @@ class KVReuseChunkConnector(KVConnectorBase_V1):
             self.worker_side.close()
 
     def build_connector_worker_meta(self) -> ChunkWorkerReport | None:
-        """Chunks a tier could not give this worker since the last step."""
+        """Chunks a tier could not give this worker since the last step, and
+        background writes it could not queue."""
         if self.worker_side is None:
             return None
-        lost = self.worker_side.take_lost()
-        return ChunkWorkerReport(lost) if lost else None
+        lost, dropped = self.worker_side.take_lost(), self.worker_side.take_dropped()
+        return ChunkWorkerReport(lost, dropped) if lost or dropped else None
 
 
 def find_chunk_connector(connector: object) -> KVReuseChunkConnector | None:

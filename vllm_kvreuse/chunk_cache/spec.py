@@ -16,6 +16,7 @@ from vllm_kvreuse.core.options import (
     parse_fraction,
     parse_gib,
     parse_gib_or_auto,
+    parse_key_file,
     parse_margin,
     parse_separator,
     parse_store_url,
@@ -93,6 +94,16 @@ SPEC = FeatureSpec(
             "stores is written there, and a chunk none of a server's own tiers "
             "holds is loaded from there. The server's maxmemory and eviction "
             "policy size it. Empty (the default): none.",
+        ),
+        Option(
+            "chunk_cache_store_key_file",
+            parse_key_file,
+            "",
+            "A file holding a secret (at least 16 bytes) shared by the servers of "
+            "one disk tier or shared store: every stored chunk is sealed with an "
+            "HMAC-SHA256 under it and checked on read, so nobody without the key "
+            "can write KV a server loads. Empty (the default): a checksum only, "
+            "and the store must be private to the servers (docs/chunk_cache.md).",
         ),
         Option(
             "chunk_cache_hash",

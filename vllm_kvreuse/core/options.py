@@ -132,6 +132,27 @@ def parse_directory(value: Any, name: str) -> str:
     return path
 
 
+KEY_BYTES = 16
+
+
+def parse_key_file(value: Any, name: str) -> str:
+    """An absolute path to a readable file of at least :data:`KEY_BYTES`
+    bytes (a secret; read where it is used, never logged); ``""`` is off."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a file path, got {value!r}")
+    if not value:
+        return ""
+    path = os.path.abspath(os.path.expanduser(value))
+    try:
+        with open(path, "rb") as file:
+            size = len(file.read().strip())
+    except OSError as error:
+        raise ValueError(f"{name}: cannot read {value!r}: {error}") from None
+    if size < KEY_BYTES:
+        raise ValueError(f"{name}: the key in {value!r} is under {KEY_BYTES} bytes")
+    return path
+
+
 STORE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
 
 

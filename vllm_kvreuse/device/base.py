@@ -172,6 +172,13 @@ class DeviceOps(ABC):
         return self.layers[0].keys.device
 
     @property
+    def chunk_layout(self) -> tuple[torch.dtype, tuple[int, int, int, int]]:
+        """The dtype and one token's shape ``(layers, 2, H, D)`` of the
+        chunks :meth:`save_chunk` returns and :meth:`load_chunk` takes."""
+        first = self.layers[0]
+        return first.keys.dtype, (len(self.layers), 2, *first.token_shape)
+
+    @property
     def block_size(self) -> int:
         """Tokens per block of the block tables callers pass."""
         return self._block_size

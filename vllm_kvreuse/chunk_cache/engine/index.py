@@ -25,6 +25,11 @@ Invariants:
   it counts against capacity and cannot be loaded yet. Its ``owner`` is
   that request.
 - ``shared``: the chunk is (or is being written) in the shared store too.
+- Chunks known only in the shared store are not entries but ``remote``
+  records (key -> meta, at most :data:`REMOTE_KNOWN`): making room never
+  walks them. A request that loads one lifts it into an entry
+  (:meth:`ChunkIndex.lift`); an unpinned entry still in the shared store
+  only sinks back (:meth:`ChunkIndex.sink`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ BELOW: dict[Tier, Tier] = {"device": "cpu", "cpu": "disk"}
 """Where a chunk goes when its tier needs room (else it is evicted)."""
 FORGET_AFTER = 8192
 """Evicted keys remembered, to tell a store too small for its workload."""
+REMOTE_KNOWN = 1 << 17
+"""Chunks of the shared store remembered (least recently used forgotten):
+they cost no local room, only this bound's memory, and are never walked."""
 
 
 @dataclass(slots=True)
@@ -75,8 +83,12 @@ class StoreOp:
       tier, or up to the device from any; from disk or the shared store
       that is a read);
     - ``evict``: the chunk leaves the local tiers;
-    - ``publish``: the chunk is written to the shared store (``meta`` with
-      it), in the background.
+    - ``publish``: the chunk is written to the shared store, in the
+      background.
+
+    ``meta`` names the chunk the decision is about (its length, the
+    position it was computed at, its origin): a worker acts only on bytes
+    that are that chunk.
     """
 
     kind: Literal["move", "evict", "publish"]
@@ -98,6 +110,7 @@ class ChunkIndex:
     stats: StoreStats = field(default_factory=StoreStats)
     num_pinned: int = 0  # entries with pins > 0, kept as pins change
     evicted: OrderedDict[ChunkKey, float] = field(default_factory=OrderedDict)
+    remote: OrderedDict[ChunkKey, Meta] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         for tier in LOCAL_TIERS:  # a tier not given has no room
@@ -105,6 +118,37 @@ class ChunkIndex:
 
     def get(self, key: ChunkKey) -> Entry | None:
         return self.entries.get(key)
+
+    def knows(self, key: ChunkKey) -> bool:
+        """Stored in some tier (the shared store's included), or reserved."""
+        return key in self.entries or key in self.remote
+
+    def lift(self, key: ChunkKey) -> Entry | None:
+        """The entry of a chunk known only in the shared store (made one:
+        a request is about to load it); None if it is not known there."""
+        meta = self.remote.pop(key, None)
+        if meta is None:
+            return None
+        entry = Entry(
+            meta.num_tokens, meta.num_tokens * self.bytes_per_token, meta.start,
+            meta.origin, owner="", tier="remote", ready=True, shared=True,
+        )  # fmt: skip
+        self.entries[key] = entry
+        return entry
+
+    def sink(self, key: ChunkKey) -> None:
+        """An unpinned entry left only in the shared store goes back to
+        being a remote record."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.tier == "remote" and not entry.pins:
+            del self.entries[key]
+            self._remember_remote(key, entry.meta)
+
+    def _remember_remote(self, key: ChunkKey, meta: Meta) -> None:
+        self.remote[key] = meta
+        self.remote.move_to_end(key)
+        while len(self.remote) > REMOTE_KNOWN:
+            self.remote.popitem(last=False)
 
     def touch(self, key: ChunkKey) -> None:
         self.entries.move_to_end(key)
@@ -146,17 +190,21 @@ class ChunkIndex:
 
     def add(self, key: ChunkKey, meta: Meta, tier: Tier) -> bool:
         """Records a ready chunk found on disk at start-up, or in the shared
-        store (``remote``: not counted locally). False where it does not fit."""
+        store (``remote``: a record, not counted locally). False where it
+        does not fit."""
+        if tier == "remote":
+            if key not in self.entries:
+                self._remember_remote(key, meta)
+            return True
         nbytes = meta.num_tokens * self.bytes_per_token
-        if tier != "remote" and self.used[tier] + nbytes > self.capacity[tier]:
+        if self.used[tier] + nbytes > self.capacity[tier]:
             return False
         self.entries[key] = Entry(
             meta.num_tokens, nbytes, meta.start, meta.origin, owner="", tier=tier,
-            ready=True, shared=tier == "remote",
+            ready=True,
         )  # fmt: skip
         self.entries.move_to_end(key, last=False)  # least recently used
-        if tier != "remote":
-            self.used[tier] += nbytes
+        self.used[tier] += nbytes
         return True
 
     def promote(self, key: ChunkKey) -> bool:
@@ -176,7 +224,7 @@ class ChunkIndex:
                 self.used[source] += entry.nbytes
             return False
         self.used["device"] += entry.nbytes
-        self.pending_ops.append(StoreOp("move", key, source, "device"))
+        self.pending_ops.append(StoreOp("move", key, source, "device", entry.meta))
         entry.tier = "device"
         return True
 
@@ -186,19 +234,22 @@ class ChunkIndex:
     def drop(self, key: ChunkKey) -> None:
         """Forgets ``key`` (a chunk whose computing request ended before
         saving it, or whose bytes could not be read); workers evict it."""
+        self.remote.pop(key, None)
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.num_pinned -= entry.pins > 0
             if entry.tier != "remote":
                 self.used[entry.tier] -= entry.nbytes
-            self.pending_ops.append(StoreOp("evict", key))
+            self.pending_ops.append(StoreOp("evict", key, meta=entry.meta))
 
     def clear(self) -> int:
         """Evicts every unpinned entry; returns how many."""
         victims = [key for key, entry in self.entries.items() if not entry.pins]
         for key in victims:
             self._evict(key, forget_shared=True)
-        return len(victims)
+        forgotten = len(self.remote)
+        self.remote.clear()
+        return len(victims) + forgotten
 
     def take_ops(self) -> list[StoreOp]:
         ops, self.pending_ops = self.pending_ops, []
@@ -253,8 +304,7 @@ class ChunkIndex:
         if entry.tier != "remote":
             self.used[entry.tier] -= entry.nbytes
         self.used[tier] += entry.nbytes
-        meta = entry.meta if tier == "disk" else None
-        self.pending_ops.append(StoreOp("move", key, entry.tier, tier, meta))
+        self.pending_ops.append(StoreOp("move", key, entry.tier, tier, entry.meta))
         entry.tier = tier
 
     def _evict(self, key: ChunkKey, forget_shared: bool = False) -> None:
@@ -264,11 +314,10 @@ class ChunkIndex:
         if entry.tier != "remote":
             self.used[entry.tier] -= entry.nbytes
             self.stats.evictions += 1
-            self.pending_ops.append(StoreOp("evict", key))
+            self.pending_ops.append(StoreOp("evict", key, meta=entry.meta))
             self.evicted[key] = time.monotonic()
             while len(self.evicted) > FORGET_AFTER:
                 self.evicted.popitem(last=False)
+        del self.entries[key]
         if entry.shared and not forget_shared:
-            entry.tier = "remote"
-        else:
-            del self.entries[key]
+            self._remember_remote(key, entry.meta)

@@ -7,6 +7,7 @@ Nothing here holds state; :mod:`.planner` builds these and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -25,6 +26,9 @@ class PlannedChunk:
 
     ``saves``: the request computes the chunk in place and stores it (it
     holds the chunk's reservation in the store).
+    ``origin``: the origin of the stored chunk it loads, or the one it is
+    stored under when it saves (:mod:`.keys`); with ``stored_start`` it
+    names the exact bytes a load may use.
     """
 
     key: ChunkKey
@@ -32,6 +36,7 @@ class PlannedChunk:
     length: int
     stored_start: int | None = None
     saves: bool = False
+    origin: bytes = b""
 
     @property
     def end(self) -> int:
@@ -44,11 +49,17 @@ class PlannedChunk:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
+    """Tokens of one stored chunk to load: the chunk is named by its key,
+    the position it was computed at and its origin, and a worker whose bytes
+    of ``key`` are another chunk's (a stale plan) fails the load instead."""
+
     key: ChunkKey
     src_start: int  # first token within the stored chunk
     dst_start: int  # its position in the request
     count: int
     delta: int  # actual minus stored position
+    stored_start: int = 0
+    origin: bytes = b""
 
 
 @dataclass(slots=True)
@@ -65,6 +76,8 @@ class ChunkPlan:
     until the request's last load is built (or it ends).
     ``unsaved``: the chunks it computes in place and has yet to store.
     ``block_salt``: the ``cache_salt`` its KV blocks are hashed under.
+    ``held``: the store entries it pinned, by key (their pins are given back
+    to those entries only, :meth:`~.store.ChunkStore.let_go`).
     """
 
     chunks: list[PlannedChunk]
@@ -73,6 +86,7 @@ class ChunkPlan:
     pinned: bool = True
     spans: list[Span] = field(default_factory=list)
     unsaved: list[PlannedChunk] = field(default_factory=list)
+    held: list[tuple[ChunkKey, Any]] = field(default_factory=list)
 
     @property
     def loaded_keys(self) -> list[ChunkKey]:
@@ -128,7 +142,8 @@ class ChunkPlan:
             if count > 0:
                 pieces.append(
                     Piece(chunk.key, src_start=skip, dst_start=chunk.start + skip,
-                          count=count, delta=chunk.start - chunk.stored_start)
+                          count=count, delta=chunk.start - chunk.stored_start,
+                          stored_start=chunk.stored_start, origin=chunk.origin)
                 )  # fmt: skip
         return pieces
 
@@ -154,6 +169,7 @@ class SaveSpec:
     block_ids: list[int]
     start: int
     length: int
+    origin: bytes = b""
 
 
 @dataclass(slots=True)
@@ -176,8 +192,10 @@ class ChunkWorkerReport(KVConnectorWorkerMetadata):
     them). vLLM merges every worker's report (:meth:`aggregate`)."""
 
     lost: set[ChunkKey] = field(default_factory=set)
+    dropped: int = 0  # background writes not queued (any rank's most)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> ChunkWorkerReport:
         if isinstance(other, ChunkWorkerReport):
             self.lost |= other.lost
+            self.dropped = max(self.dropped, other.dropped)
         return self

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request
 
+from vllm_kvreuse.chunk_cache.engine.index import Entry
 from vllm_kvreuse.chunk_cache.engine.keys import Provenance
 from vllm_kvreuse.chunk_cache.engine.plan import (
     ChunkMeta,
@@ -113,6 +114,7 @@ class ChunkScheduler:
         lora = getattr(request.lora_request, "lora_name", "")
         chunks: list[PlannedChunk] = []
         spans: list[Span] = []
+        held: list[tuple[bytes, Entry]] = []
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         keys = [
             self.store.key(request.cache_salt, lora, prompt[a : a + n])
@@ -122,7 +124,7 @@ class ChunkScheduler:
         for key, start, length in zip(keys, starts, lengths, strict=True):
             tokens = prompt[start : start + length]
             chunk, chunk_spans = self._place(
-                key, start, length, provenance, rules, request.request_id
+                key, start, length, provenance, rules, request.request_id, held
             )
             chunks.append(chunk)
             spans += chunk_spans
@@ -136,6 +138,7 @@ class ChunkScheduler:
             # kernels and shapes, so the same rounding on any device).
             spans=merge(spans),
             unsaved=[chunk for chunk in chunks if chunk.saves],
+            held=held,
         )
         self._count(plan)
         if not plan.loaded_keys and not plan.unsaved:
@@ -153,32 +156,32 @@ class ChunkScheduler:
         provenance: Provenance,
         rules: list[Span],
         owner: str,
+        held: list[tuple[bytes, Entry]],
     ) -> tuple[PlannedChunk, list[Span]]:
         """One chunk's part of the plan, and the positions of it computed. A
-        chunk it loads is pinned at once: no later chunk's reservation may
-        evict it."""
+        chunk it loads is pinned at once (added to ``held``): no later
+        chunk's reservation may evict it."""
         whole = (start, start + length)
         origin = provenance.origin(key)
-        entry = self.store.stored(key)
-        if entry is not None:
-            self.store.pin([key])
-            if self.store.prepare_load(key) is None:  # no room to bring it up
-                self.store.unpin([key])
-                entry = None
-        elif not self.store.is_known(key):
+        entry = self.store.hold(key)
+        if entry is None and not self.store.is_known(key):
             self.store.note_miss(key)
-        if entry is not None and entry.origin == origin:
-            self.store.stats.exact_hits += 1
-            return PlannedChunk(key, start, length, stored_start=entry.start), []
         if entry is not None:
+            held.append((key, entry))
+            loaded = PlannedChunk(
+                key, start, length, stored_start=entry.start, origin=entry.origin
+            )
+            if entry.origin == origin:
+                self.store.stats.exact_hits += 1
+                return loaded, []
             recomputed = clip(rules, [whole])
             provenance.loaded_approximately(start, length, entry.origin, recomputed)
-            loaded = PlannedChunk(key, start, length, stored_start=entry.start)
             return loaded, recomputed
         saves = not self.store.is_known(key) and self.store.reserve(
             key, length, start, origin, owner
         )
-        return PlannedChunk(key, start, length, saves=saves), [whole]
+        chunk = PlannedChunk(key, start, length, saves=saves, origin=origin)
+        return chunk, [whole]
 
     def _count(self, plan: ChunkPlan) -> None:
         stats = self.store.stats
@@ -284,7 +287,9 @@ class ChunkScheduler:
                 continue
             blocks = self._block_ids(request_id)
             for chunk in ready:
-                save = SaveSpec(chunk.key, blocks, chunk.start, chunk.length)
+                save = SaveSpec(
+                    chunk.key, blocks, chunk.start, chunk.length, chunk.origin
+                )
                 meta.saves.append(save)
                 self.store.saved(chunk.key)
             plan.unsaved = [chunk for chunk in plan.unsaved if chunk.end > done]
@@ -309,8 +314,9 @@ class ChunkScheduler:
         request whose load failed is planned no further (vLLM recomputes it
         from the failed block on, as an ordinary request)."""
         report = output.kv_connector_worker_meta
-        if isinstance(report, ChunkWorkerReport) and report.lost:
+        if isinstance(report, ChunkWorkerReport):
             self.store.lost(report.lost)
+            self.store.stats.io_dropped += report.dropped
         if output.invalid_block_ids and self._kv_cache_manager is not None:
             failed = output.invalid_block_ids
             for request_id in list(self.plans):
@@ -336,7 +342,7 @@ class ChunkScheduler:
     def _unpin(self, plan: ChunkPlan) -> None:
         if plan.pinned:
             plan.pinned = False
-            self.store.unpin(plan.loaded_keys)
+            self.store.let_go(plan.held)
 
     def _block_ids(self, request_id: str) -> list[int]:
         assert self._kv_cache_manager is not None

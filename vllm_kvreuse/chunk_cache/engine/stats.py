@@ -70,6 +70,11 @@ class StoreStats:
     documents_kept: int = _count(
         "Documents those requests were answered on (divide by decided: the mean kept)."
     )
+    io_dropped: int = _count(
+        "Background writes to disk or the shared store not queued, the "
+        "workers' write queue being full (a slow disk or store): a chunk "
+        "not published, or one moved down and so evicted."
+    )
     thrashed: int = _count(
         "Chunks asked for again soon after the store evicted them: the store "
         "is too small for the workload."

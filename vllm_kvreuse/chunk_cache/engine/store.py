@@ -77,15 +77,39 @@ class ChunkStore:
         return entry if entry is not None and entry.ready else None
 
     def is_known(self, key: ChunkKey) -> bool:
-        """Stored, or reserved by a request computing it now."""
-        return self.index.get(key) is not None
+        """Stored (the shared store included), or reserved by a request
+        computing it now."""
+        return self.index.knows(key)
+
+    def hold(self, key: ChunkKey) -> Entry | None:
+        """The stored chunk ``key``, pinned and moved up to the device tier
+        for a load; None (nothing held) where it is not stored, or cannot
+        be brought up now. The caller gives the pin back with
+        :meth:`let_go` and this entry."""
+        entry = self.stored(key) or self.index.lift(key)
+        if entry is None:
+            return None
+        self.index.pin(key)
+        if self.prepare_load(key) is None:
+            self.let_go([(key, entry)])
+            return None
+        return entry
+
+    def let_go(self, held: Iterable[tuple[ChunkKey, Entry]]) -> None:
+        """Gives back pins taken by :meth:`hold`: each only while its entry
+        is still the one pinned (a chunk lost and stored again since is
+        another entry, whose pins are its own requests')."""
+        for key, entry in held:
+            if self.index.get(key) is entry:
+                self.index.unpin(key)
+                self.index.sink(key)
 
     def lookup_shared(self, keys: Iterable[ChunkKey]) -> None:
         """Records which of ``keys`` (those not known locally) the shared
         store holds: they load from there (one round trip)."""
         if self.shared is None or not self.shared.available:
             return
-        unknown = [key for key in dict.fromkeys(keys) if self.index.get(key) is None]
+        unknown = [key for key in dict.fromkeys(keys) if not self.index.knows(key)]
         for key, meta in self.shared.lookup(unknown).items():
             self.index.add(key, meta, "remote")
 
@@ -119,12 +143,16 @@ class ChunkStore:
             )  # fmt: skip
 
     def lost(self, keys: Iterable[ChunkKey]) -> None:
-        """Chunks whose bytes a worker could not read: forgotten (their
-        requests compute them)."""
+        """Chunks whose bytes a worker could not read: forgotten at once,
+        pinned or not, so that the next request that wants one computes and
+        stores it again. Requests that planned to load one fail that load
+        and compute it (a worker loads only the bytes a plan names), and
+        their pins die with the entry (:meth:`let_go`). A reserved entry
+        has no bytes to lose: it stays its owner's."""
         for key in keys:
             self.stats.load_failures += 1
             entry = self.index.get(key)
-            if entry is not None and not entry.pins:
+            if entry is None or entry.ready:
                 self.index.drop(key)
 
     # -- pins and reservations -------------------------------------------------
@@ -148,10 +176,10 @@ class ChunkStore:
     def saved(self, key: ChunkKey) -> None:
         """The owner's save of ``key`` goes to the workers this step: the
         chunk is stored from then on, and its reservation pin is dropped."""
+        entry = self.index.entries[key]
         self.index.mark_ready(key)
         self.index.unpin(key)
         self.stats.saved += 1
-        entry = self.index.entries[key]
         if self.shared is not None and not entry.shared:
             entry.shared = True
             self.index.pending_ops.append(StoreOp("publish", key, meta=entry.meta))

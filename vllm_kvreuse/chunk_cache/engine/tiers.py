@@ -23,7 +23,7 @@ from vllm_kvreuse.chunk_cache.engine.keys import (
 )
 from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
-from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
+from vllm_kvreuse.chunk_cache.tiers.shared import LOOKUP_TIMEOUT, SharedStore
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -36,11 +36,23 @@ CPU_SHARE, CPU_FLOOR, CPU_CAP = 0.1, 1 * GIB, 64 * GIB
 
 
 def cpu_tier_bytes(setting: float | str) -> int:
-    """The CPU tier's capacity for ``--chunk-cache-cpu-gib``."""
+    """The CPU tier's capacity for ``--chunk-cache-cpu-gib``, the whole
+    server's (every rank's share together)."""
     if setting != "auto":
         return int(float(setting) * GIB)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(max(memory * CPU_SHARE, CPU_FLOOR), CPU_CAP))
+
+
+def local_ranks(vllm_config: Any) -> tuple[int, int]:
+    """(Worker ranks of this engine, engines of this server on this node):
+    each worker holds its own share of every stored chunk, and each
+    data-parallel engine its own store, so a server-wide size is divided
+    by both."""
+    parallel = vllm_config.parallel_config
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    engines = getattr(parallel, "data_parallel_size_local", 1) or 1
+    return ranks, engines
 
 
 def build_store(
@@ -50,26 +62,34 @@ def build_store(
     kv_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
     bytes_per_token = max(kv_bytes // (kv_cache_config.num_blocks * block_size), 1)
     disk_path = settings.chunk_cache_disk_path
+    ranks, engines = local_ranks(vllm_config)
+    share = ranks * engines  # the index counts one rank's bytes of one engine
+    disk = int(settings.chunk_cache_disk_gib * GIB) if disk_path else 0
     index = ChunkIndex(
         capacity={
             "device": int(kv_bytes * settings.chunk_cache_device_fraction),
-            "cpu": cpu_tier_bytes(settings.chunk_cache_cpu_gib),
-            "disk": int(settings.chunk_cache_disk_gib * GIB) if disk_path else 0,
+            "cpu": cpu_tier_bytes(settings.chunk_cache_cpu_gib) // share,
+            "disk": disk // share,
         },
         bytes_per_token=bytes_per_token,
     )
     fingerprint = store_fingerprint(vllm_config)
     reloaded = 0
     if disk_path:
-        parallel = vllm_config.parallel_config
-        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        for key, meta in DiskFiles(disk_path, fingerprint, 0, ranks).scan():
-            if not index.add(key, meta, "disk"):
-                break
-            reloaded += 1
+        writer = vllm_config.parallel_config.data_parallel_rank
+        files = DiskFiles(disk_path, fingerprint, 0, ranks, writer)
+        for key, meta in files.scan():
+            if index.add(key, meta, "disk"):
+                reloaded += 1
+            else:  # beyond the tier's size now: its files would only grow it
+                files.delete_all_ranks(key)
     url = settings.chunk_cache_remote_url
-    shared = SharedStore(url, fingerprint, rank=0) if url else None
-    logger.info("chunk cache: %s", describe(index, disk_path, reloaded, url))
+    shared = (
+        SharedStore(url, fingerprint, rank=0, ranks=ranks, timeout=LOOKUP_TIMEOUT)
+        if url
+        else None
+    )
+    logger.info("chunk cache: %s", describe(index, disk_path, reloaded, url, share))
     return ChunkStore(
         index,
         key_hasher(vllm_config, settings.chunk_cache_hash),
@@ -78,14 +98,20 @@ def build_store(
     )
 
 
-def describe(index: ChunkIndex, disk_path: str, reloaded: int, url: str) -> str:
-    """What each tier holds, in GiB and in tokens of this model."""
+def describe(
+    index: ChunkIndex, disk_path: str, reloaded: int, url: str, share: int = 1
+) -> str:
+    """What each tier holds, in GiB (the whole server's: every rank and
+    engine on this node) and in tokens of this model."""
 
     def tier(name: str) -> str:
         size = index.capacity[name]
-        return f"{size / GIB:.2f} GiB ({size // index.bytes_per_token:,} tokens)"
+        whole = size * (share if name != "device" else 1)
+        return f"{whole / GIB:.2f} GiB ({size // index.bytes_per_token:,} tokens)"
 
     parts = [f"device tier {tier('device')}", f"CPU tier {tier('cpu')}"]
+    if share > 1:
+        parts.append(f"host tiers split over {share} ranks and engines")
     if disk_path:
         parts.append(
             f"disk tier {tier('disk')} in {disk_path}, {reloaded} chunks read back"

@@ -19,8 +19,13 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_kvreuse import device
-from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, store_fingerprint
+from vllm_kvreuse.chunk_cache.engine.keys import (
+    ChunkKey,
+    store_fingerprint,
+    store_secret,
+)
 from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta, LoadSpec, SaveSpec
+from vllm_kvreuse.chunk_cache.tiers.codec import Layout, Meta
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
 from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
 from vllm_kvreuse.chunk_cache.worker.tiers import LocalTiers
@@ -53,7 +58,7 @@ class ChunkWorker:
             kv_caches, context, self.block_size, model_rope(self._vllm_config)
         )
         self.ops.warm_up()  # kernels compile here, at start, not in a request
-        self.tiers = worker_tiers(self._vllm_config, self.ops.device)
+        self.tiers = worker_tiers(self._vllm_config, self.ops)
 
     def before_forward(self, meta: ChunkMeta) -> None:
         """Store decisions (publishes wait for the saves), then this step's
@@ -89,6 +94,10 @@ class ChunkWorker:
         """Chunks this worker could not read since the last call."""
         return self.tiers.take_lost() if self.tiers is not None else set()
 
+    def take_dropped(self) -> int:
+        """Background writes this worker could not queue since the last call."""
+        return self.tiers.take_dropped() if self.tiers is not None else 0
+
     def _block_table(self, block_ids: list[int]) -> torch.Tensor:
         assert self.ops is not None
         return torch.tensor(block_ids, device=self.ops.device)
@@ -98,16 +107,22 @@ class ChunkWorker:
         chunk = self.ops.save_chunk(
             self._block_table(save.block_ids), save.start, save.length
         )
-        self.tiers.put(save.key, chunk)
+        self.tiers.put(save.key, chunk, Meta(save.length, save.start, save.origin))
 
     def _load(self, load: LoadSpec) -> None:
-        """Every piece of ``load`` whose chunk is here; the blocks of the
-        others are reported (vLLM recomputes from the first of them)."""
+        """Every piece of ``load`` whose chunk is here, as the plan names it
+        (computed at the same position, of the same origin); the blocks of
+        the others are reported (vLLM recomputes from the first of them)."""
         assert self.ops is not None and self.tiers is not None
         block_ids = self._block_table(load.block_ids)
         for piece in load.pieces:
-            chunk = self.tiers.get(piece.key)
-            if chunk is None:  # lost by its tier (counted by the scheduler)
+            chunk, meta = self.tiers.get(piece.key), self.tiers.meta(piece.key)
+            if (
+                chunk is None  # lost by its tier (counted by the scheduler)
+                or meta is None
+                or (meta.start, meta.origin) != (piece.stored_start, piece.origin)
+                or meta.num_tokens < piece.src_start + piece.count
+            ):  # or another chunk stored under the key since the plan was made
                 first = piece.dst_start // self.block_size
                 last = (piece.dst_start + piece.count - 1) // self.block_size
                 self._load_errors.update(load.block_ids[first : last + 1])
@@ -118,8 +133,9 @@ class ChunkWorker:
             )  # fmt: skip
 
 
-def worker_tiers(vllm_config: Any, device_: torch.device) -> LocalTiers:
-    """This worker rank's tiers, from the plugin's settings."""
+def worker_tiers(vllm_config: Any, ops: device.DeviceOps) -> LocalTiers:
+    """This worker rank's tiers, from the plugin's settings. Bytes read
+    from disk or the shared store must be of this rank's KV layout."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     settings = settings_of(vllm_config)
@@ -127,9 +143,17 @@ def worker_tiers(vllm_config: Any, device_: torch.device) -> LocalTiers:
     tp, pp = get_tp_group(), get_pp_group()
     rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
     ranks = pp.world_size * tp.world_size
+    layout = Layout(*ops.chunk_layout)
+    secret = store_secret(settings)
     disk = shared = None
     if settings.chunk_cache_disk_path:
-        disk = DiskFiles(settings.chunk_cache_disk_path, store, rank, ranks)
+        writer = vllm_config.parallel_config.data_parallel_rank
+        disk = DiskFiles(
+            settings.chunk_cache_disk_path, store, rank, ranks, writer, secret, layout
+        )
     if settings.chunk_cache_remote_url:
-        shared = SharedStore(settings.chunk_cache_remote_url, store, rank)
-    return LocalTiers(device_, disk, shared)
+        shared = SharedStore(
+            settings.chunk_cache_remote_url, store, rank, ranks,
+            secret=secret, layout=layout,
+        )  # fmt: skip
+    return LocalTiers(ops.device, disk, shared)
