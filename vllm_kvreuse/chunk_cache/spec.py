@@ -8,6 +8,7 @@ from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
 from vllm_kvreuse.chunk_cache.paths.modes import MODES as CHUNK_ATTENTION_MODES
 from vllm_kvreuse.chunk_cache.paths.modes import REQUEST_KEY as CHUNK_ATTENTION
 from vllm_kvreuse.chunk_cache.paths.modes import parse_attention, parse_documents
+from vllm_kvreuse.chunk_cache.tiers.urls import parse_store_url
 from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
@@ -18,7 +19,6 @@ from vllm_kvreuse.core.options import (
     parse_gib_or_auto,
     parse_margin,
     parse_separator,
-    parse_store_url,
     parse_tokens,
 )
 from vllm_kvreuse.core.request_keys import CHUNKS, DOCUMENTS
@@ -89,10 +89,12 @@ SPEC = FeatureSpec(
             parse_store_url,
             "",
             "A Valkey or Redis server several servers share as a chunk tier "
-            "(valkey://host:port, redis://host:port): every chunk one server "
-            "stores is written there, and a chunk none of a server's own tiers "
-            "holds is loaded from there. The server's maxmemory and eviction "
-            "policy size it. Empty (the default): none.",
+            "(valkey://host:port, redis://[user:password@]host:port/db, "
+            "unix:///path): every chunk one server stores is written there, "
+            "and a chunk none of a server's own tiers holds is loaded from "
+            "there. The server's maxmemory and eviction policy size it. Needs "
+            "the valkey client library (pip install valkey); a password in it "
+            "is shown as *** in logs and endpoints. Empty (the default): none.",
         ),
         Option(
             "chunk_cache_hash",

@@ -132,23 +132,6 @@ def parse_directory(value: Any, name: str) -> str:
     return path
 
 
-STORE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
-
-
-def parse_store_url(value: Any, name: str) -> str:
-    """A Valkey or Redis URL (``valkey://host:port``, ``redis://...``,
-    ``unix:///path``); ``""`` is off."""
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a URL, got {value!r}")
-    scheme, _, rest = value.partition("://")
-    if value and (scheme not in STORE_SCHEMES or not rest):
-        raise ValueError(
-            f"{name} must be a URL with a scheme in {list(STORE_SCHEMES)} "
-            f"(e.g. valkey://127.0.0.1:6379), got {value!r}"
-        )
-    return value
-
-
 def parse_separator(value: Any, name: str) -> str:
     """A non-blank separator, or ``""`` (off)."""
     if not isinstance(value, str) or (value and value.isspace()):

@@ -1,0 +1,91 @@
+"""``--chunk-cache-remote-url``: refused at start when unusable (on vLLM's
+real parser), and shown without its password."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from vllm_kvreuse.chunk_cache.tiers.urls import parse_store_url, redact_url
+
+FLAG = "--chunk-cache-remote-url"
+
+
+def _parse(argv: list[str]) -> EngineArgs:
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:secret@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+        ("redis://user:secret@host", "redis://user:***@host"),
+        ("rediss://user:p%40ss:w@host:1", "rediss://user:***@host:1"),
+        ("valkey://host:6379?db=1&password=secret", "valkey://host:6379?db=1&password=***"),
+        ("unix://:secret@/tmp/valkey.sock", "unix://:***@/tmp/valkey.sock"),
+        ("unix:///tmp/valkey.sock?password=s", "unix:///tmp/valkey.sock?password=***"),
+        ("valkey://user@host:6379", "valkey://user@host:6379"),
+        ("valkey://127.0.0.1:6379", "valkey://127.0.0.1:6379"),
+        ("redis://[::1:6379", "***"),
+    ],
+)  # fmt: skip
+def test_redact_url_hides_every_password_and_keeps_the_rest(url, shown) -> None:
+    """The userinfo's password and ``password=`` are hidden; a URL with
+    neither comes back verbatim; one that does not parse is hidden whole."""
+    assert redact_url(url) == shown
+    assert redact_url(shown) == shown  # idempotent
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["valkey://127.0.0.1:6379", "redis://:secret@host:6380/2", "REDIS://h",
+     "valkeys://h", "rediss://u:p@h", "unix:///run/valkey.sock", "redis://[::1]:6379"],
+)  # fmt: skip
+def test_a_usable_url_is_taken_as_given(url: str) -> None:
+    assert parse_store_url(url, FLAG) == url
+    assert parse_store_url("", FLAG) == ""
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://127.0.0.1:notaport", "the port is not a number"),
+        ("redis://127.0.0.1:70000", "the port is not a number"),
+        ("redis://127.0.0.1:0", "the port is not a number"),
+        ("http://127.0.0.1:6379", "an unknown scheme"),
+        ("127.0.0.1:6379", "an unknown scheme"),
+        ("redis://", "no host"),
+        ("redis://:secret@:6379", "no host"),
+        ("unix://", "no socket path"),
+        ("redis://[::1:6379", "Invalid IPv6 URL"),
+    ],
+)  # fmt: skip
+def test_an_unusable_url_stops_the_server_naming_the_flag(
+    url: str, problem: str, capsys
+) -> None:
+    """A usage error at parse time (nothing connects), naming the flag and
+    what is wrong, and not echoing a password."""
+    with pytest.raises(SystemExit) as exc:
+        _parse([FLAG, url])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert FLAG in err and problem in err
+    assert "secret" not in err
+
+
+def test_a_missing_client_library_stops_the_server_naming_the_package(
+    monkeypatch, capsys
+) -> None:
+    """Without ``valkey`` importable (None in ``sys.modules``: Python's own
+    way to make an import fail) the flag is refused with the pip command."""
+    monkeypatch.setitem(sys.modules, "valkey", None)
+    with pytest.raises(ValueError, match="pip install valkey"):
+        parse_store_url("valkey://127.0.0.1:6379", "chunk_cache_remote_url")
+    with pytest.raises(SystemExit):
+        _parse([FLAG, "valkey://127.0.0.1:6379"])
+    assert f"{FLAG} needs the valkey client library" in capsys.readouterr().err
+    assert parse_store_url("", FLAG) == ""  # off: valkey is not needed
