@@ -1,15 +1,21 @@
 """``--chunk-cache-remote-url``: refused at start when unusable (on vLLM's
-real parser), and shown without its password."""
+real parser), and never shown with its password (log lines, the admin
+summary)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex
+from vllm_kvreuse.chunk_cache.engine.tiers import describe
+from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
 from vllm_kvreuse.chunk_cache.tiers.urls import parse_store_url, redact_url
+from vllm_kvreuse.testing.server import free_port
 
 FLAG = "--chunk-cache-remote-url"
 
@@ -89,3 +95,35 @@ def test_a_missing_client_library_stops_the_server_naming_the_package(
         _parse([FLAG, "valkey://127.0.0.1:6379"])
     assert f"{FLAG} needs the valkey client library" in capsys.readouterr().err
     assert parse_store_url("", FLAG) == ""  # off: valkey is not needed
+
+
+def test_the_start_up_log_line_hides_the_password() -> None:
+    index = ChunkIndex({"device": 1 << 20, "cpu": 0, "disk": 0}, bytes_per_token=64)
+    line = describe(index, "", 0, "redis://user:secret@127.0.0.1:6379/0")
+    assert "shared store redis://user:***@127.0.0.1:6379/0" in line
+    assert "secret" not in line
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_store_that_fails_is_logged_without_its_password() -> None:
+    """A real client failing to connect to a closed port: the warning names
+    the store, redacted."""
+    logger = logging.getLogger("vllm_kvreuse.chunk_cache.tiers.shared")
+    handler = _Lines()
+    logger.addHandler(handler)
+    try:
+        url = f"redis://user:secret@127.0.0.1:{free_port()}/0"
+        store = SharedStore(url, "fp", rank=0, timeout=0.5)
+        assert store.lookup([b"a"]) == {} and not store.available
+    finally:
+        logger.removeHandler(handler)
+    (line,) = handler.lines
+    assert "redis://user:***@127.0.0.1" in line and "secret" not in line
