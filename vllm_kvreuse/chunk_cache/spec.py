@@ -13,6 +13,7 @@ from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
     parse_bool,
+    parse_count,
     parse_directory,
     parse_fraction,
     parse_gib,
@@ -131,6 +132,17 @@ SPEC = FeatureSpec(
             2,
             "With chunk_attention 'choose': keep at most this many documents "
             "(the likeliest; 0 or 1: one, as 'paths').",
+        ),
+        Option(
+            "chunk_paths_max_documents",
+            parse_count,
+            16,
+            "With chunk_attention 'paths' or 'choose': a request with more "
+            "documents than this runs 'joint' instead (its response says so), "
+            "since each document costs one scoring request (a prefill of its "
+            "path and a slot in the running batch) before the answer starts. "
+            "The default covers the usual 3 to 10 retrieved documents with "
+            "room; 0: no cap.",
         ),
         Option(
             "chunk_recompute_fraction",

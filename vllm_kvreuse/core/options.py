@@ -50,10 +50,21 @@ def parse_seconds(value: Any, name: str) -> float:
 
 def parse_tokens(value: Any, name: str) -> int:
     """Returns ``value`` as a token count in [0, 4096] (ints or digit strings)."""
+    return _whole(value, name, "a whole number of tokens in [0, 4096]")
+
+
+def parse_count(value: Any, name: str) -> int:
+    """Returns ``value`` as a count in [0, 4096] (ints or digit strings)."""
+    return _whole(value, name, "a whole number in [0, 4096]")
+
+
+def _whole(value: Any, name: str, what: str) -> int:
+    """``value`` as an int in [0, 4096] (no booleans; digit strings, as the
+    CLI gives them), else ``ValueError`` saying it must be ``what``."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if type(value) is not int or not 0 <= value <= 4096:
-        raise ValueError(f"{name} must be a whole number of tokens in [0, 4096]")
+        raise ValueError(f"{name} must be {what}")
     return value
 
 

@@ -61,6 +61,9 @@ from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
 DOCUMENTS_KEPT = "kvreuse_documents_kept"
 """The response's ``kv_transfer_params`` key: how many documents a request
 in ``paths`` or ``choose`` mode was answered on."""
+PATHS_CAPPED = "kvreuse_paths_capped"
+"""Its key for a ``paths`` or ``choose`` request run ``joint``, unscored, for
+having more documents than the value (``--chunk-paths-max-documents``)."""
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -93,7 +96,7 @@ class ChunkScheduler:
         self._kv_cache_manager: KVCacheManager | None = None
         self._reports = Reports()
         self.rolled_back: set[str] = set()
-        self._kept: dict[str, int] = {}  # request id -> documents kept
+        self._said: dict[str, dict[str, Any]] = {}  # id -> kv_transfer_params
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -293,16 +296,20 @@ class ChunkScheduler:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Releases the request's plan; returns what its client reads in the
-        response's ``kv_transfer_params`` (the documents kept), if any."""
+        response's ``kv_transfer_params`` (the documents kept, or the cap), if any."""
         self.release(request.request_id)
-        kept = self._kept.pop(request.request_id, None)
-        return None if kept is None else {DOCUMENTS_KEPT: kept}
+        return self._said.pop(request.request_id, None)
 
     def note_decided(self, request_id: str, kept: int) -> None:
         """Answer paths decided ``request_id`` on ``kept`` documents."""
         self.store.stats.decided += 1
         self.store.stats.documents_kept += kept
-        self._kept[request_id] = kept
+        self._said[request_id] = {DOCUMENTS_KEPT: kept}
+
+    def note_capped(self, request_id: str, cap: int) -> None:
+        """``request_id`` has more than ``cap`` documents: it runs joint."""
+        self.store.stats.paths_capped += 1
+        self._said[request_id] = {PATHS_CAPPED: cap}
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers report: chunks a tier lost are forgotten, and a

@@ -70,6 +70,11 @@ class StoreStats:
     documents_kept: int = _count(
         "Documents those requests were answered on (divide by decided: the mean kept)."
     )
+    paths_capped: int = _count(
+        "Chunked requests in chunk_attention 'paths' or 'choose' with more "
+        "documents than --chunk-paths-max-documents: answered jointly, "
+        "nothing scored."
+    )
     thrashed: int = _count(
         "Chunks asked for again soon after the store evicted them: the store "
         "is too small for the workload."
