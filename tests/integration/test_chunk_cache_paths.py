@@ -21,7 +21,7 @@ from tests.integration.chunks import (
     generate,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
-from vllm_kvreuse.chunk_cache.engine.planner import DOCUMENTS_KEPT
+from vllm_kvreuse.chunk_cache.engine.planner import DOCUMENTS_KEPT, PATHS_CAPPED
 from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
@@ -93,6 +93,30 @@ def test_paths_per_request_and_where_they_do_not_apply(model_dir: str) -> None:
         long_question = list(range(600, 680))
         out = generate(llm, [SYSTEM, DOC_A, DOC_B, long_question], attention="paths")
         assert voting.num_decided == 2 and out.outputs[0].token_ids
+
+
+def test_more_documents_than_the_cap_run_jointly_and_say_so(model_dir: str) -> None:
+    """``--chunk-paths-max-documents 2``: three documents in ``paths`` or
+    ``choose`` spawn no scoring request and answer as the joint prompt (as
+    plain vLLM: every chunk is new), the response and the counter saying
+    so; two documents still take paths."""
+    with chunk_cache_llm(
+        model_dir, chunk_attention="paths", chunk_paths_max_documents=2
+    ) as llm:
+        feature = scheduler_of(llm).feature("chunk_cache")
+        side, voting = feature.side, feature.voting
+        out = generate(llm, [SYSTEM, *DOCS, QUESTION])
+        assert out.kv_transfer_params == {PATHS_CAPPED: 2}
+        assert voting.num_decided == 0 and not voting.ballots.by_request
+        chose = generate(llm, [SYSTEM, *DOCS, QUESTION], attention="choose")
+        assert chose.kv_transfer_params == {PATHS_CAPPED: 2}
+        assert (side.store.stats.paths_capped, side.store.stats.decided) == (2, 0)
+        expected = _answer(llm, chunked_prompt([SYSTEM, *DOCS, QUESTION])[0])
+        assert list(out.outputs[0].token_ids) == expected
+        assert list(chose.outputs[0].token_ids) == expected
+        two = generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION])
+        assert two.kv_transfer_params == {DOCUMENTS_KEPT: 1}
+        assert voting.num_decided == 1 and side.store.stats.paths_capped == 2
 
 
 def test_choose_answers_on_the_close_documents_jointly(model_dir: str) -> None:

@@ -23,6 +23,7 @@ from tests.integration.chunks import (
     index_of,
 )
 from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
+from vllm_kvreuse.testing.server import free_port
 
 PLAIN = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
 GIB = 2**30
@@ -199,3 +200,18 @@ def test_a_full_disk_costs_the_chunks_it_could_not_take(model_dir, tmp_path) -> 
         stats = index_of(llm).stats
         assert stats.spilled >= 1 and stats.load_failures >= 1
         assert_same(out, as_plain_vllm(llm, segments))
+
+
+def test_the_admin_summary_shows_the_shared_store_without_its_password(
+    model_dir,
+) -> None:
+    """A shared store with a password, down (a closed port): requests are
+    computed, and the admin endpoint's utility (what ``GET
+    /v1/kvreuse/chunk_cache`` returns) names the store with ``***``."""
+    url = f"redis://user:secret@127.0.0.1:{free_port()}/0"
+    with chunk_cache_llm(model_dir, chunk_cache_remote_url=url) as llm:
+        out = generate(llm, [SYSTEM, doc(1000), QUESTION])
+        assert out.outputs[0].token_ids
+        summary = llm.llm_engine.engine_core.engine_core.kvreuse_chunk_cache("stats")
+        assert summary["shared_store"] == url.replace("secret", "***")
+        assert "secret" not in repr(summary)

@@ -203,7 +203,8 @@ def test_chunk_cache_joins_a_users_multiconnector_first() -> None:
 @pytest.mark.parametrize(
     ("flag", "bad"),
     [("--chunk-attention", "mask"), ("--chunk-cache-hash", "md5"),
-     ("--chunk-separator", " "), ("--chunk-cache-cpu-gib", "-1")],
+     ("--chunk-separator", " "), ("--chunk-cache-cpu-gib", "-1"),
+     ("--chunk-paths-max-documents", "-1"), ("--chunk-paths-max-documents", "2.5")],
 )  # fmt: skip
 def test_bad_chunk_cache_flag_is_a_usage_error(flag: str, bad: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:

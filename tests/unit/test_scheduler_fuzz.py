@@ -5,12 +5,13 @@ vLLM's ``Scheduler`` or ``AsyncScheduler``) and the chunk-cache connector's
 scheduler side (:mod:`tests.unit.scheduler_driver`) through random arrivals
 (plain requests, retained parents, children of any parent, beam roots,
 chunked requests over five shared documents, requests with a cache-hit
-threshold), tier failures (a stored chunk's bytes lost, pinned or not:
-its loads fail their blocks, vLLM recomputes them), client aborts (between steps and while a batch runs),
-preemptions, failures of any request (beam members too), retention
-expiries, cache resets and steps. Chunks computed in place are stored late,
-in any order relative to other requests, because the token budget splits
-prefills over steps and the pool and store are tiny.
+threshold), tier failures (a stored chunk's bytes lost, pinned or
+not: its loads fail their blocks, vLLM recomputes them), client aborts
+(between steps and while a batch runs), preemptions, failures of any
+request (beam members too), retention expiries, cache resets and steps.
+Chunks computed in place are stored late, in any order relative to other
+requests, because the token budget splits prefills over steps and the pool
+and store are tiny.
 
 Checked after every action: the block accounting (free + held + live =
 pool), the chunk index (bytes, pin counts, every chunk a planned request

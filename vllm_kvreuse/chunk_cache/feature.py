@@ -71,6 +71,7 @@ class ChunkCache(Feature):
         self._choose = Choice(
             "choose", settings.chunk_choose_margin, settings.chunk_choose_k
         )
+        self.max_documents: int = settings.chunk_paths_max_documents  # 0: no cap
         self.voting = Voting(core, self, self.side.note_decided)
 
     # -- requests --------------------------------------------------------------
@@ -86,9 +87,12 @@ class ChunkCache(Feature):
             layout = modes.layout_of(prompt, lengths, extra_args.get(DOCUMENTS))
             if layout is None:
                 return  # one document, nothing to choose: an ordinary prompt
-            choice = self._choose if attention == "choose" else Choice("paths")
-            self.voting.start(request, layout, choice)
-            return
+            if not self.max_documents or len(layout.documents) <= self.max_documents:
+                choice = self._choose if attention == "choose" else Choice("paths")
+                self.voting.start(request, layout, choice)
+                return
+            # One scoring request a document: past the cap, joint, said so.
+            self.side.note_capped(request.request_id, self.max_documents)
         self._plan(request, lengths)
 
     def on_preempt(self, request: Request) -> None:

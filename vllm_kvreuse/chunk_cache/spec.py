@@ -8,10 +8,12 @@ from vllm_kvreuse.chunk_cache.params import BODY_FIELD, parse_lengths
 from vllm_kvreuse.chunk_cache.paths.modes import MODES as CHUNK_ATTENTION_MODES
 from vllm_kvreuse.chunk_cache.paths.modes import REQUEST_KEY as CHUNK_ATTENTION
 from vllm_kvreuse.chunk_cache.paths.modes import parse_attention, parse_documents
+from vllm_kvreuse.chunk_cache.tiers.urls import parse_store_url
 from vllm_kvreuse.core.options import (
     Option,
     choice_parser,
     parse_bool,
+    parse_count,
     parse_directory,
     parse_fraction,
     parse_gib,
@@ -19,7 +21,6 @@ from vllm_kvreuse.core.options import (
     parse_key_file,
     parse_margin,
     parse_separator,
-    parse_store_url,
     parse_tokens,
 )
 from vllm_kvreuse.core.request_keys import CHUNKS, DOCUMENTS
@@ -90,10 +91,12 @@ SPEC = FeatureSpec(
             parse_store_url,
             "",
             "A Valkey or Redis server several servers share as a chunk tier "
-            "(valkey://host:port, redis://host:port): every chunk one server "
-            "stores is written there, and a chunk none of a server's own tiers "
-            "holds is loaded from there. The server's maxmemory and eviction "
-            "policy size it. Empty (the default): none.",
+            "(valkey://host:port, redis://[user:password@]host:port/db, "
+            "unix:///path): every chunk one server stores is written there, "
+            "and a chunk none of a server's own tiers holds is loaded from "
+            "there. The server's maxmemory and eviction policy size it. Needs "
+            "the valkey client library (pip install valkey); a password in it "
+            "is shown as *** in logs and endpoints. Empty (the default): none.",
         ),
         Option(
             "chunk_cache_store_key_file",
@@ -140,6 +143,17 @@ SPEC = FeatureSpec(
             2,
             "With chunk_attention 'choose': keep at most this many documents "
             "(the likeliest; 0 or 1: one, as 'paths').",
+        ),
+        Option(
+            "chunk_paths_max_documents",
+            parse_count,
+            16,
+            "With chunk_attention 'paths' or 'choose': a request with more "
+            "documents than this runs 'joint' instead (its response says so), "
+            "since each document costs one scoring request (a prefill of its "
+            "path and a slot in the running batch) before the answer starts. "
+            "The default covers the usual 3 to 10 retrieved documents with "
+            "room; 0: no cap.",
         ),
         Option(
             "chunk_recompute_fraction",

@@ -50,10 +50,21 @@ def parse_seconds(value: Any, name: str) -> float:
 
 def parse_tokens(value: Any, name: str) -> int:
     """Returns ``value`` as a token count in [0, 4096] (ints or digit strings)."""
+    return _whole(value, name, "a whole number of tokens in [0, 4096]")
+
+
+def parse_count(value: Any, name: str) -> int:
+    """Returns ``value`` as a count in [0, 4096] (ints or digit strings)."""
+    return _whole(value, name, "a whole number in [0, 4096]")
+
+
+def _whole(value: Any, name: str, what: str) -> int:
+    """``value`` as an int in [0, 4096] (no booleans; digit strings, as the
+    CLI gives them), else ``ValueError`` saying it must be ``what``."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if type(value) is not int or not 0 <= value <= 4096:
-        raise ValueError(f"{name} must be a whole number of tokens in [0, 4096]")
+        raise ValueError(f"{name} must be {what}")
     return value
 
 
@@ -151,23 +162,6 @@ def parse_key_file(value: Any, name: str) -> str:
     if size < KEY_BYTES:
         raise ValueError(f"{name}: the key in {value!r} is under {KEY_BYTES} bytes")
     return path
-
-
-STORE_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
-
-
-def parse_store_url(value: Any, name: str) -> str:
-    """A Valkey or Redis URL (``valkey://host:port``, ``redis://...``,
-    ``unix:///path``); ``""`` is off."""
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a URL, got {value!r}")
-    scheme, _, rest = value.partition("://")
-    if value and (scheme not in STORE_SCHEMES or not rest):
-        raise ValueError(
-            f"{name} must be a URL with a scheme in {list(STORE_SCHEMES)} "
-            f"(e.g. valkey://127.0.0.1:6379), got {value!r}"
-        )
-    return value
 
 
 def parse_separator(value: Any, name: str) -> str:

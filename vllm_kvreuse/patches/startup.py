@@ -8,6 +8,17 @@ _ARGS = "vllm.engine.arg_utils"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
+        target="vllm.entrypoints.serve.utils.api_utils:redact_sensitive_args",
+        wrapper="vllm_kvreuse.chunk_cache.tiers.urls:wrap_redact_sensitive_args",
+        kind="function",
+        signatures={V0_32_0: "(args: dict[str, typing.Any]) -> dict[str, typing.Any]"},
+        why="`vllm serve` logs its non-default arguments, hiding only vLLM's "
+        "own secrets: a password in --chunk-cache-remote-url would stand in "
+        "the log.",
+        how="Calls the original, then shows the store URL with its password as ***.",
+        remove_when="vLLM lets plugins name their sensitive arguments.",
+    ),
+    Patch(
         target=f"{_ARGS}:EngineArgs.add_cli_args",
         wrapper="vllm_kvreuse.engine_args:wrap_add_cli_args",
         kind="staticmethod",

@@ -3,13 +3,16 @@
 
 The store index lives in the engine core's scheduler; the endpoint plugin
 reaches it through this engine-core utility (``call_utility_async``),
-installed by the patch registry.
+installed by the patch registry. What it returns leaves the engine core for
+an HTTP client, so the shared store's URL goes out redacted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from vllm_kvreuse.chunk_cache.tiers.urls import redact_url
 
 UTILITY = "kvreuse_chunk_cache"
 
@@ -25,6 +28,9 @@ def make_chunk_cache_utility(_: None) -> Callable[..., dict[str, Any]]:
         feature = find("chunk_cache") if find is not None else None
         if feature is None:
             raise ValueError("the chunk cache is not enabled on this server")
-        return feature.admin(action, **(chunk or {}))
+        result = feature.admin(action, **(chunk or {}))
+        if result.get("shared_store"):  # its password stays in the engine
+            result["shared_store"] = redact_url(result["shared_store"])
+        return result
 
     return kvreuse_chunk_cache

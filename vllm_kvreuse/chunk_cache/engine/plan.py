@@ -147,6 +147,16 @@ class ChunkPlan:
                 )  # fmt: skip
         return pieces
 
+    def count(self, stats: Any) -> None:
+        """Adds the plan's hits and misses to the store's ``stats``."""
+        for chunk in self.chunks:
+            if chunk.loads:
+                stats.hits += 1
+                stats.hit_tokens += self.num_loaded(chunk.start, chunk.end)
+            else:
+                stats.misses += 1
+                stats.miss_tokens += chunk.length
+
     def num_loaded(self, begin: int = 0, limit: int | None = None) -> int:
         """Loaded positions in ``[begin, limit)`` (limit: the chunks' end)."""
         limit = self.end if limit is None else limit

@@ -62,6 +62,9 @@ from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
 DOCUMENTS_KEPT = "kvreuse_documents_kept"
 """The response's ``kv_transfer_params`` key: how many documents a request
 in ``paths`` or ``choose`` mode was answered on."""
+PATHS_CAPPED = "kvreuse_paths_capped"
+"""Its key for a ``paths`` or ``choose`` request run ``joint``, unscored, for
+having more documents than the value (``--chunk-paths-max-documents``)."""
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -94,7 +97,7 @@ class ChunkScheduler:
         self._kv_cache_manager: KVCacheManager | None = None
         self._reports = Reports()
         self.rolled_back: set[str] = set()
-        self._kept: dict[str, int] = {}  # request id -> documents kept
+        self._said: dict[str, dict[str, Any]] = {}  # id -> kv_transfer_params
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -140,7 +143,7 @@ class ChunkScheduler:
             unsaved=[chunk for chunk in chunks if chunk.saves],
             held=held,
         )
-        self._count(plan)
+        plan.count(self.store.stats)
         if not plan.loaded_keys and not plan.unsaved:
             return None
         self.plans[request.request_id] = plan
@@ -182,16 +185,6 @@ class ChunkScheduler:
         )
         chunk = PlannedChunk(key, start, length, saves=saves, origin=origin)
         return chunk, [whole]
-
-    def _count(self, plan: ChunkPlan) -> None:
-        stats = self.store.stats
-        for chunk in plan.chunks:
-            if chunk.loads:
-                stats.hits += 1
-                stats.hit_tokens += plan.num_loaded(chunk.start, chunk.end)
-            else:
-                stats.misses += 1
-                stats.miss_tokens += chunk.length
 
     def release(self, request_id: str) -> ChunkPlan | None:
         """Drops ``request_id``'s plan: its pins, and the reservations of
@@ -298,16 +291,20 @@ class ChunkScheduler:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Releases the request's plan; returns what its client reads in the
-        response's ``kv_transfer_params`` (the documents kept), if any."""
+        response's ``kv_transfer_params`` (the documents kept, or the cap), if any."""
         self.release(request.request_id)
-        kept = self._kept.pop(request.request_id, None)
-        return None if kept is None else {DOCUMENTS_KEPT: kept}
+        return self._said.pop(request.request_id, None)
 
     def note_decided(self, request_id: str, kept: int) -> None:
         """Answer paths decided ``request_id`` on ``kept`` documents."""
         self.store.stats.decided += 1
         self.store.stats.documents_kept += kept
-        self._kept[request_id] = kept
+        self._said[request_id] = {DOCUMENTS_KEPT: kept}
+
+    def note_capped(self, request_id: str, cap: int) -> None:
+        """``request_id`` has more than ``cap`` documents: it runs joint."""
+        self.store.stats.paths_capped += 1
+        self._said[request_id] = {PATHS_CAPPED: cap}
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers report: chunks a tier lost are forgotten, and a

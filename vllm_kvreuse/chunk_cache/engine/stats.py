@@ -75,6 +75,11 @@ class StoreStats:
         "workers' write queue being full (a slow disk or store): a chunk "
         "not published, or one moved down and so evicted."
     )
+    paths_capped: int = _count(
+        "Chunked requests in chunk_attention 'paths' or 'choose' with more "
+        "documents than --chunk-paths-max-documents: answered jointly, "
+        "nothing scored."
+    )
     thrashed: int = _count(
         "Chunks asked for again soon after the store evicted them: the store "
         "is too small for the workload."

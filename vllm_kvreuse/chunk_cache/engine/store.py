@@ -36,6 +36,7 @@ from vllm_kvreuse.chunk_cache.engine.index import (
 from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, Origin, chunk_key
 from vllm_kvreuse.chunk_cache.engine.stats import COUNTERS
 from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
+from vllm_kvreuse.chunk_cache.tiers.urls import redact_url
 
 logger = init_logger(__name__)
 
@@ -253,5 +254,7 @@ class ChunkStore:
                 f"{tier}_capacity_bytes": self.index.capacity[tier]
                 for tier in LOCAL_TIERS
             },
-            "shared_store": self.shared.url if self.shared is not None else None,
+            "shared_store": (
+                redact_url(self.shared.url) if self.shared is not None else None
+            ),
         }

@@ -24,6 +24,7 @@ from vllm_kvreuse.chunk_cache.engine.keys import (
 from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
 from vllm_kvreuse.chunk_cache.tiers.shared import LOOKUP_TIMEOUT, SharedStore
+from vllm_kvreuse.chunk_cache.tiers.urls import redact_url
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -117,5 +118,5 @@ def describe(
             f"disk tier {tier('disk')} in {disk_path}, {reloaded} chunks read back"
         )
     if url:
-        parts.append(f"shared store {url}")
+        parts.append(f"shared store {redact_url(url)}")
     return ", ".join(parts)

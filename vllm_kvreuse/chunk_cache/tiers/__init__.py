@@ -4,5 +4,6 @@ decides) and the workers (which move the bytes).
 - ``codec.py``: a stored chunk as one blob (header, checksum, raw bytes),
   its meta, the store's fingerprint;
 - ``disk.py``: the disk tier: files that outlive the server;
-- ``shared.py``: the shared store several servers use (Valkey or Redis).
+- ``shared.py``: the shared store several servers use (Valkey or Redis);
+- ``urls.py``: the shared store's URL, checked at start and shown redacted.
 """

@@ -40,6 +40,7 @@ from vllm_kvreuse.chunk_cache.tiers.codec import (
     decode,
     encode,
 )
+from vllm_kvreuse.chunk_cache.tiers.urls import redact_url
 
 logger = init_logger(__name__)
 
@@ -163,6 +164,7 @@ class SharedStore:
             self._down_until = time.monotonic() + RETRY_AFTER
             logger.warning(
                 "chunk cache: the shared store at %s failed (%s); not used for "
-                "%.0f s, chunks are computed meanwhile", self.url, error, RETRY_AFTER,
+                "%.0f s, chunks are computed meanwhile", redact_url(self.url), error,
+                RETRY_AFTER,
             )  # fmt: skip
             return default
