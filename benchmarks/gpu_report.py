@@ -21,7 +21,10 @@ figures and the summary checks them against the targets. Logs:
 ``servers.log``, ``correctness.log``, ``sections.log``, ``models.log``.
 
 ``--dry-run`` runs every section on the CPU with the tiny model and small
-sizes (the test suite does, so the report cannot rot).
+sizes (the test suite does, so the report cannot rot): with no budgets, a
+smaller correctness selection, and the correctness tests before the servers
+start rather than beside them, so its outcome never depends on the
+machine's speed.
 """
 
 from __future__ import annotations
@@ -69,10 +72,10 @@ class Report:
 
 
 def run_section(
-    name: str, config: dict, budget: float, log: Path
+    name: str, config: dict, budget: float | None, log: Path
 ) -> tuple[str, dict | None]:
     """One section's process: (its Markdown, its result or None), killed at
-    ``budget`` seconds with what it printed kept."""
+    ``budget`` seconds (None: never) with what it printed kept."""
     cmd = [
         sys.executable,
         str(Path(__file__).parent / "gpu_report_sections.py"),
@@ -111,9 +114,8 @@ def run_section(
         else:
             lines.append(line)
     seconds = time.monotonic() - start
-    footer = (
-        f"\n\n({seconds:.0f} s of a {budget:.0f} s budget{'; ' + note if note else ''})"
-    )
+    of = f" of a {budget:.0f} s budget" if budget is not None else ""
+    footer = f"\n\n({seconds:.0f} s{of}{'; ' + note if note else ''})"
     return "\n".join(lines) + footer, result
 
 
@@ -195,7 +197,9 @@ def main() -> None:
     models = build_models(plan, out / "models.log")
     device: list[tuple[str, dict | None]] = []
     describing = threading.Thread(
-        target=lambda: device.append(run_section("env", {}, 60, out / "env.log"))
+        target=lambda: device.append(
+            run_section("env", {}, None if args.dry_run else 60, out / "env.log")
+        )
     )
     describing.start()
     for directory in plan.test_models:  # the tests and the store sizing need it
@@ -203,19 +207,21 @@ def main() -> None:
             models[directory].join()
     plan.size_store()
 
-    # Servers start (each once its model is built) while the tests run.
+    # Servers start (each once its model is built) while the tests run; in
+    # a dry run after them, so a small machine never runs both at once.
     times = StartTimes()
     started: list[tuple[dict[str, Server], list[str]]] = []
     starting = threading.Thread(
         target=lambda: started.append(start_all(plan, models, plan.logs, times))
     )
-    starting.start()
+    if not args.dry_run:
+        starting.start()
     describing.join()
     report.section("Device and software", *device[0])
     results = correctness.run(
         sys.executable,
         out / "correctness.log",
-        plan.budgets["correctness"],
+        plan.budgets.get("correctness"),
         gpu=not args.dry_run,
         junit_dir=plan.work,
     )
@@ -224,6 +230,8 @@ def main() -> None:
         correctness.markdown(results),
         {r.file: dict(r.outcomes) for r in results},
     )
+    if args.dry_run:
+        starting.start()
     starting.join()
     servers, errors = started[0]
     copy_server_logs(plan.logs, out)

@@ -2,7 +2,9 @@
 
 One :class:`Plan` for a GPU (what the figures are measured with) and one for
 the dry run on a CPU (the same sections with the tiny model and small
-sizes). Budgets are wall-clock seconds; on a GPU they sum to 8 minutes.
+sizes). Budgets are wall-clock seconds; on a GPU they sum to 8 minutes. A
+dry run has none: it proves that every section produces its table, on a
+machine of any speed, so nothing in it is cut by the clock.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class Plan:
     beam_model: str
     budgets: dict[str, float]
     """Seconds: ``start`` (models built and servers ready; ``correctness``
-    runs beside it), then each measured section's."""
+    runs beside it), then each measured section's. Empty in a dry run."""
     kv_bytes: dict[str, int]
     doc_words: int = 0
     store_fraction: float = 0.1
@@ -114,9 +116,7 @@ class Plan:
                 DRY_SIZES,
                 "models/tiny",
                 "models/tiny",
-                dict(
-                    start=300, correctness=150, rag=60, beams=60, two_stage=60, micro=60
-                ),
+                {},
                 kv_bytes={},
             )
         else:
@@ -148,14 +148,18 @@ class Plan:
         return plan
 
     @property
-    def total(self) -> float:
+    def total(self) -> float | None:
         """The whole run's budget: start-up (correctness beside it), the
-        measured sections, the device line and the summary."""
+        measured sections, the device line and the summary; None: none."""
+        if not self.budgets:
+            return None
         return sum(v for k, v in self.budgets.items() if k != "correctness") + 20
 
     @property
     def ready_timeout(self) -> float:
-        return self.budgets["start"]
+        """Seconds the servers have to be ready (a dry run's servers start
+        together on however few cores the machine has: an hour)."""
+        return self.budgets.get("start", 3600.0)
 
     @property
     def logs(self) -> Path:
@@ -244,8 +248,11 @@ class Plan:
             )
         return specs
 
-    def budget(self, name: str, begin: float) -> float:
-        """A section's budget, cut to what is left of the whole run's."""
+    def budget(self, name: str, begin: float) -> float | None:
+        """A section's budget, cut to what is left of the whole run's (None
+        in a dry run: no limit)."""
+        if self.total is None:
+            return None
         left = self.total - (time.monotonic() - begin)
         return max(10.0, min(self.budgets[name], left))
 

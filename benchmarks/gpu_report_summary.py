@@ -23,7 +23,12 @@ def summary(results: dict, seconds: float, plan: Plan) -> str:
     shares = get(micro, "share_of_copy") or {}
     load_4k = [v for k, v in shares.items() if k.endswith(" 4096 triton load")]
     checks = [
-        ("whole run", seconds, f"<= {plan.total:.0f} s", seconds <= plan.total),
+        (
+            "whole run",
+            seconds,
+            f"<= {plan.total:.0f} s" if plan.total else "(a dry run has no budget)",
+            seconds <= plan.total if plan.total else None,
+        ),
         (
             "RAG warm TTFT, plain / ours, chunk_recompute none",
             get(rag, "warm_none"),
@@ -72,7 +77,7 @@ def summary(results: dict, seconds: float, plan: Plan) -> str:
         if value is None:
             lines.append(f"| {name} | not measured | {wanted} | - |")
             continue
-        met = check if isinstance(check, bool) else (check(value) if check else None)
+        met = check if isinstance(check, bool) or check is None else check(value)
         shown = f"{value:.2f}" if isinstance(value, float) else json.dumps(value)
         lines.append(
             f"| {name} | {shown} | {wanted} | "

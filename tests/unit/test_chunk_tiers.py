@@ -248,3 +248,178 @@ def test_the_valkey_server_is_the_packaged_binary() -> None:
     from vllm_kvreuse.testing.valkey import valkey_binary
 
     assert os.access(valkey_binary(), os.X_OK)
+
+
+# -- faults: what a damaged, hostile, shared or slow store can do ---------------
+
+
+def blob_with_header(header: dict, raw: bytes = b"") -> bytes:
+    """A blob whose header says anything at all (as anyone who can write to
+    the store can make one)."""
+    import json
+    import struct
+
+    from vllm_kvreuse.chunk_cache.tiers.codec import MAGIC
+
+    text = json.dumps(header).encode()
+    return MAGIC + struct.pack("<I", len(text)) + text + raw
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dtype": "Tensor"},  # a torch attribute that is no dtype
+        {"dtype": "nonsense"},
+        {"shape": [1, 2, -8, 1, 32]},
+        {"shape": "everything"},
+        {"shape": [1, 2, 8, 1, 33]},  # another layout
+        {"tokens": 0},
+        {"start": "x"},
+        {"origin": "not hex"},
+        {"rank": 1},
+        {"crc32": 0},
+    ],
+)
+def test_a_hostile_header_is_a_miss_never_an_error(change: dict) -> None:
+    import json
+
+    from vllm_kvreuse.chunk_cache.tiers.codec import Layout
+
+    tensor = torch.ones(1, 2, 8, 1, 32)
+    good = encode(tensor, b"k", "fp", META)
+    layout = Layout(torch.float32, (1, 2, 1, 32))
+    assert decode(good, b"k", "fp", expect=META, layout=layout)[1] == META
+    size = int.from_bytes(good[5:9], "little")
+    header = json.loads(good[9 : 9 + size]) | change
+    with pytest.raises(CorruptChunk):
+        decode(blob_with_header(header, good[9 + size :]), b"k", "fp", layout=layout)
+    for bad in (blob_with_header([]), good[:9] + b"{", good[:5] + b"\xff" * 4):
+        with pytest.raises(CorruptChunk):
+            decode(bad, b"k", "fp")
+
+
+def test_a_store_key_seals_every_blob_against_writers_without_it() -> None:
+    """With a key, a blob must carry a valid HMAC under it: a forged one (a
+    fresh checksum over new bytes), one under another key and an unsealed
+    one are all misses; a reader without a key refuses sealed blobs."""
+    key = b"k" * 32
+    tensor = torch.randn(1, 2, 8, 1, 32)
+    sealed = encode(tensor, b"k", "fp", META, secret=key)
+    assert torch.equal(decode(sealed, b"k", "fp", secret=key)[0], tensor)
+    forged = encode(tensor + 1, b"k", "fp", META)  # anyone can checksum
+    for blob, secret in [
+        (forged, key),
+        (encode(tensor, b"k", "fp", META, secret=b"o" * 32), key),
+        (sealed, None),
+    ]:
+        with pytest.raises(CorruptChunk):
+            decode(blob, b"k", "fp", secret=secret)
+
+
+def test_two_writers_at_different_positions_never_mix(tmp_path) -> None:
+    """Two servers share a directory and store one document computed at
+    different positions: the last writer's blob wins, and a reader expecting
+    the other's meta gets a miss, never bytes re-rotated by the wrong
+    distance; a writer deletes only files of the chunk it stored."""
+    first, second = Meta(8, 3, b"one"), Meta(8, 40, b"two")
+    a = DiskFiles(tmp_path, "fp", 0, 1)
+    b = DiskFiles(tmp_path, "fp", 0, 1)
+    a.write(b"d", torch.ones(1, 2, 8, 1, 32), first)
+    b.write(b"d", torch.zeros(1, 2, 8, 1, 32), second)
+    with pytest.raises(CorruptChunk):
+        a.read(b"d", first)
+    assert torch.equal(b.read(b"d", second), torch.zeros(1, 2, 8, 1, 32))
+    a.delete(b"d", first)  # a's eviction leaves b's bytes
+    assert b.read(b"d", second) is not None
+
+
+def test_data_parallel_ranks_keep_their_own_files(tmp_path) -> None:
+    ranks = [DiskFiles(tmp_path, "fp", 0, 1, writer=w) for w in (0, 1)]
+    for number, files in enumerate(ranks):
+        files.write(b"d", torch.full((1, 2, 8, 1, 32), float(number)), META)
+    ranks[0].delete(b"d", META)
+    assert ranks[1].scan() == [(b"d", META)] and not ranks[0].scan()
+    assert torch.equal(ranks[1].read(b"d", META), torch.ones(1, 2, 8, 1, 32))
+
+
+def test_a_restart_removes_what_a_crash_left_behind(tmp_path) -> None:
+    files = DiskFiles(tmp_path, "fp", 0, 1)
+    stale = files.directory / "dead.0.kv.123.tmp"
+    stale.write_bytes(b"half a blob")
+    os.utime(stale, (0, 0))
+    fresh = files.directory / "live.0.kv.456.tmp"  # another server writing now
+    fresh.write_bytes(b"being written")
+    files.scan()
+    assert not stale.exists() and fresh.exists()
+
+
+def test_a_full_write_queue_drops_and_counts_never_grows(tmp_path) -> None:
+    """A slow disk or store: writes beyond the queue's bytes are dropped
+    (a spill's chunk is lost, a publish is skipped), and counted."""
+    from vllm_kvreuse.chunk_cache.engine.index import StoreOp
+
+    tiers = worker(tmp_path, queue_bytes=0)
+    tiers.put(b"a", torch.ones(1, 2, 8, 1, 32), META)
+    tiers.apply(StoreOp("move", b"a", "cpu", "disk", META))
+    assert tiers.take_lost() == {b"a"} and tiers.take_dropped() == 1
+    assert tiers.get(b"a") is None and not tiers._writing
+    tiers.close()
+
+
+def test_a_stale_plan_never_loads_a_chunk_stored_again_elsewhere() -> None:
+    """A chunk lost while two plans pin it is forgotten at once; stored
+    again by a third request at another position, it is a new entry: the
+    old plans' pins go nowhere, and their loads (naming the old position)
+    would not match the new bytes."""
+    idx = index(device=100)
+    store = ChunkStore(idx, hash, IDENTITY)
+    assert idx.reserve(b"d", 10, 5, b"old", "first")
+    store.saved(b"d")
+    held = [(b"d", store.hold(b"d")), (b"d", store.hold(b"d"))]
+    assert idx.get(b"d").pins == 2
+    store.lost([b"d"])
+    assert not store.is_known(b"d") and idx.num_pinned == 0
+    assert idx.reserve(b"d", 10, 70, b"new", "third")  # computed, stored again
+    store.saved(b"d")
+    mine = store.hold(b"d")
+    store.let_go(held)  # the old plans end
+    assert idx.get(b"d") is mine and mine.pins == 1 and mine.start == 70
+
+
+def test_the_shared_store_writes_in_pieces_and_shows_whole_chunks(
+    valkey, monkeypatch
+) -> None:
+    """A blob larger than a piece goes in pieces (no send outlasts the
+    timeout); a chunk is visible to lookups only once every rank wrote."""
+    from vllm_kvreuse.chunk_cache.tiers import shared
+
+    monkeypatch.setattr(shared, "PIECE_BYTES", 4096)
+    tensors = [torch.randn(2, 2, 8, 2, 32) + rank for rank in (0, 1)]
+    writers = [SharedStore(valkey.url, "fp", rank, ranks=2) for rank in (0, 1)]
+    assert writers[0].put(b"a", tensors[0], META)
+    assert writers[0].lookup([b"a"]) == {}  # rank 1 has not written yet
+    assert writers[1].put(b"a", tensors[1], META)
+    assert writers[0].lookup([b"a"]) == {b"a": META}
+    for rank in (0, 1):
+        assert torch.equal(writers[rank].get(b"a", META), tensors[rank])
+    with pytest.raises(CorruptChunk):
+        writers[0].get(b"a", Meta(8, 99, b"elsewhere"))
+
+
+def test_a_slow_store_costs_a_lookup_its_deadline(valkey) -> None:
+    """A store that stalls (CLIENT PAUSE holds every client's command)
+    answers the engine's lookup with nothing within the lookup deadline,
+    not the I/O timeout, and is left alone for a while after."""
+    import time
+
+    import valkey as client
+
+    from vllm_kvreuse.chunk_cache.tiers.shared import LOOKUP_TIMEOUT
+
+    store = SharedStore(valkey.url, "fp", rank=0, timeout=LOOKUP_TIMEOUT)
+    assert store.lookup([b"a"]) == {} and store.available  # connected
+    client.from_url(valkey.url).execute_command("CLIENT", "PAUSE", 2000, "ALL")
+    began = time.monotonic()
+    assert store.lookup([b"a"]) == {} and not store.available
+    waited = time.monotonic() - began
+    assert waited < 1.5, f"the lookup waited {waited:.2f} s for a stalled store"
