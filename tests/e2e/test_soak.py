@@ -1,5 +1,9 @@
-"""A short soak (issue 14): every feature on, a 192-block pool, 16 concurrent
-clients sending the whole mix for 50 s (`vllm_kvreuse.testing.soak`).
+"""A short soak: every feature on, a 192-block pool, 16 concurrent clients
+sending the whole mix for 50 s (`vllm_kvreuse.testing.soak`), with a shared
+chunk store that dies 10 s in and comes back empty 5 s later, under load.
+The server's own tiers are cleared as the store dies and again once it is
+back in use (after its 30 s retry pause), so arriving requests look chunks
+up in a dead store, then in a new one.
 
 The soak runs once for the module; each test checks one property of it, so
 a failing run reports every property it broke. The ten-minute version is
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -55,11 +60,66 @@ API_SERVER_GROWTH_BOUND = 48 * MIB
 ENGINE_GROWTH_BOUND = 320 * MIB
 
 
+STORE_DOWN_AT, STORE_UP_AFTER, CLEAR_AGAIN_AT = 10.0, 5.0, 43.0
+"""The shared store's outage: seconds into the load, how long, and when the
+local tiers are cleared again (past the server's retry pause)."""
+
+
 @pytest.fixture(scope="module")
-def soak(model_dir: str, tmp_path_factory) -> Iterator[Summary]:
-    log = tmp_path_factory.mktemp("soak") / "vllm-serve.log"
-    with start_server(model_dir, log) as server:
-        result = asyncio.run(run_soak(server, CONFIG))
+def folder(tmp_path_factory) -> Path:
+    """The soak's logs: the server's and the shared store's."""
+    return tmp_path_factory.mktemp("soak")
+
+
+OUTAGE: dict[str, int] = {}
+"""What the new store held after the soak."""
+
+
+@pytest.fixture(scope="module")
+def soak(model_dir: str, folder: Path) -> Iterator[Summary]:
+    import valkey
+
+    from vllm_kvreuse.testing.valkey import ValkeyServer
+
+    log = folder / "vllm-serve.log"
+    stores = [ValkeyServer(log_path=folder / "valkey.log", maxmemory_mib=256)]
+
+    async def clear(server) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            await client.post("/v1/kvreuse/chunk_cache/clear")
+
+    async def outage(server) -> None:
+        await asyncio.sleep(STORE_DOWN_AT)
+        stores[0].kill()
+        await clear(server)
+        await asyncio.sleep(STORE_UP_AFTER)
+        again = folder / "valkey-again.log"
+        port = stores[0].port
+        stores.append(
+            await asyncio.to_thread(
+                lambda: ValkeyServer(log_path=again, maxmemory_mib=256, port=port)
+            )
+        )
+        await asyncio.sleep(CLEAR_AGAIN_AT - STORE_DOWN_AT - STORE_UP_AFTER)
+        await clear(server)
+
+    async def load(server) -> object:
+        restart = asyncio.create_task(outage(server))
+        result = await run_soak(server, CONFIG)
+        await restart
+        return result
+
+    remote = ("--chunk-cache-remote-url", stores[0].url)
+    try:
+        admin = {"VLLM_PLUGINS": "kvreuse"}  # the chunk cache's clear endpoint
+        with start_server(model_dir, log, remote, admin) as server:
+            result = asyncio.run(load(server))
+        OUTAGE["keys after"] = valkey.Valkey(port=stores[-1].port).dbsize()
+    finally:
+        for store in stores:
+            store.close()
     summary = summarize(result, log)
     print(to_markdown(summary))  # shown with -s, and in a failure's output
     yield summary
@@ -67,6 +127,15 @@ def soak(model_dir: str, tmp_path_factory) -> Iterator[Summary]:
 
 def lines(records) -> str:
     return "\n".join(r.describe() for r in records[:15])
+
+
+def test_the_shared_store_went_down_under_load(soak: Summary, folder: Path) -> None:
+    """The outage reached the server (it logged the store's failure), the
+    new store was written once the server used it again, and every other
+    test of this module holds through it."""
+    text = (folder / "vllm-serve.log").read_text(errors="replace")
+    assert "the shared store at" in text, "the outage never reached the server"
+    assert OUTAGE["keys after"] > 0, "the new store was never written"
 
 
 def test_no_request_gets_a_5xx(soak: Summary) -> None:

@@ -31,6 +31,7 @@ def complete(client, prompt: str, **body):
     )  # fmt: skip
 
 
+@pytest.mark.v1_only("command-line parsing: no engine runs")
 def test_help_lists_the_flag() -> None:
     out = subprocess.run(
         [VLLM, "serve", "--help=vllm-kvreuse"],
@@ -40,6 +41,7 @@ def test_help_lists_the_flag() -> None:
     assert "--global-cache-hit-threshold" in out.stdout
 
 
+@pytest.mark.v1_only("command-line parsing: no engine runs")
 def test_bad_flag_value_stops_startup(model_dir: str) -> None:
     out = subprocess.run(
         [VLLM, "serve", model_dir, "--global-cache-hit-threshold", "1.5"],

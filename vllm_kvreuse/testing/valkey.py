@@ -27,9 +27,14 @@ class ValkeyServer(Service):
     name = "valkey-server"
 
     def __init__(
-        self, *, log_path: Path, maxmemory_mib: int = 2048, ready_timeout: float = 30
+        self,
+        *,
+        log_path: Path,
+        maxmemory_mib: int = 2048,
+        ready_timeout: float = 30,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()  # a port given: a restart where it was
         command = [
             valkey_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
             "--save", "", "--appendonly", "no",

@@ -78,13 +78,17 @@ class SoakResult:
 
 
 def start_server(
-    model_dir: str, log_path: Path, topology: tuple[str, ...] = ()
+    model_dir: str,
+    log_path: Path,
+    topology: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Server:
     """``vllm serve`` with :data:`SERVER_ARGS` and ``topology`` on a free
     loopback port (several processes start slowly on a small machine)."""
     return Server(
-        model_dir, *SERVER_ARGS, *topology, log_path=log_path, ready_timeout=900
-    )
+        model_dir, *SERVER_ARGS, *topology, log_path=log_path, ready_timeout=900,
+        env=env,
+    )  # fmt: skip
 
 
 async def run_soak(server: Server, config: SoakConfig) -> SoakResult:
