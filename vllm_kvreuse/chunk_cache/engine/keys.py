@@ -33,7 +33,8 @@ from typing import Any
 
 from vllm.utils.hashing import get_hash_fn_by_name
 
-ChunkKey = bytes
+from vllm_kvreuse.chunk_cache.tiers.codec import ChunkKey  # one definition
+
 Origin = bytes
 
 SALT_PREFIX = "kvreuse-chunks/"
