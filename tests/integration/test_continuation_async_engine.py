@@ -14,9 +14,11 @@ PROMPT = list(range(700, 790))
 SUFFIX = [5, 6, 7]
 
 
-async def last(generator):
-    outputs = [output async for output in generator]
-    return outputs[-1]
+async def last(generator, output=None):
+    """The final output of ``generator`` (``output``: one already read)."""
+    async for output in generator:  # noqa: B007 - the last one is kept
+        pass
+    return output
 
 
 def test_child_waits_for_a_running_parent(model_dir: str) -> None:
@@ -31,14 +33,15 @@ def test_child_waits_for_a_running_parent(model_dir: str) -> None:
         )
         try:
             parent_params = SamplingParams(
-                max_tokens=40, temperature=0.0, ignore_eos=True,
+                max_tokens=200, temperature=0.0, ignore_eos=True,
                 extra_args={"retain_kv": True},
             )  # fmt: skip
-            parent_task = asyncio.create_task(
-                last(engine.generate({"prompt_token_ids": PROMPT}, parent_params, "p"))
-            )
-            await asyncio.sleep(0.05)  # the parent is running, not finished
-            assert not parent_task.done()
+            stream = engine.generate({"prompt_token_ids": PROMPT}, parent_params, "p")
+            # The parent's first output is out and 199 tokens are left: it is
+            # running, on a machine of any speed (no sleep to race).
+            first = await anext(stream)
+            assert not first.finished
+            parent_task = asyncio.create_task(last(stream, first))
             child = await last(
                 engine.generate_continuation(
                     "p", "c", SamplingParams(max_tokens=4, temperature=0.0), SUFFIX
