@@ -139,18 +139,24 @@ def wait_for_files(directory: Path, count: int) -> None:
         time.sleep(0.1)
 
 
+def store_and_damage(llm, documents: list[list[int]], directory: Path) -> None:
+    """Stores ``documents`` (the oldest two go to disk), then damages the
+    last byte of every file the disk tier holds."""
+    for document in documents:
+        generate(llm, [SYSTEM, document, QUESTION])
+    wait_for_files(directory, 2)
+    for blob in directory.rglob("*.kv"):
+        data = bytearray(blob.read_bytes())
+        data[-1] ^= 0xFF
+        blob.write_bytes(bytes(data))
+
+
 def test_a_damaged_file_costs_a_recomputation_not_the_answer(
     model_dir, tmp_path
 ) -> None:
     documents = [doc(3000), doc(3100), doc(3200)]
     with chunk_cache_llm(model_dir, **tiers(110, 0, tmp_path)) as llm:
-        for document in documents:
-            generate(llm, [SYSTEM, document, QUESTION])
-        wait_for_files(tmp_path, 2)
-        for blob in tmp_path.rglob("*.kv"):
-            data = bytearray(blob.read_bytes())
-            data[-1] ^= 0xFF
-            blob.write_bytes(bytes(data))
+        store_and_damage(llm, documents, tmp_path)
         stats = index_of(llm).stats
         segments = [SYSTEM, documents[0], [9, *QUESTION]]
         llm.reset_prefix_cache()
@@ -171,13 +177,7 @@ def test_a_chunk_whose_read_fails_under_two_requests_heals(model_dir, tmp_path) 
     documents = [doc(3600), doc(3700), doc(3800)]
     one_at_a_time = {"max_num_seqs": 1}
     with chunk_cache_llm(model_dir, **tiers(110, 0, tmp_path), **one_at_a_time) as llm:
-        for document in documents:
-            generate(llm, [SYSTEM, document, QUESTION])
-        wait_for_files(tmp_path, 2)
-        for blob in tmp_path.rglob("*.kv"):
-            data = bytearray(blob.read_bytes())
-            data[-1] ^= 0xFF
-            blob.write_bytes(bytes(data))
+        store_and_damage(llm, documents, tmp_path)
         llm.reset_prefix_cache()
         stats = index_of(llm).stats
         pair = [[SYSTEM, documents[0], [q, *QUESTION]] for q in (11, 12)]
