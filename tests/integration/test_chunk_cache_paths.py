@@ -21,7 +21,7 @@ from tests.integration.chunks import (
     generate,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
-from vllm_kvreuse.chunk_cache.engine.planner import DOCUMENTS_KEPT, PATHS_CAPPED
+from vllm_kvreuse.chunk_cache.engine.said import DOCUMENTS_KEPT, PATHS_CAPPED
 from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.core.request_keys import CHUNKS, seal
 
@@ -106,16 +106,16 @@ def test_more_documents_than_the_cap_run_jointly_and_say_so(model_dir: str) -> N
         feature = scheduler_of(llm).feature("chunk_cache")
         side, voting = feature.side, feature.voting
         out = generate(llm, [SYSTEM, *DOCS, QUESTION])
-        assert out.kv_transfer_params == {PATHS_CAPPED: 2}
+        assert out.kv_transfer_params[PATHS_CAPPED] == 2
         assert voting.num_decided == 0 and not voting.ballots.by_request
         chose = generate(llm, [SYSTEM, *DOCS, QUESTION], attention="choose")
-        assert chose.kv_transfer_params == {PATHS_CAPPED: 2}
+        assert chose.kv_transfer_params[PATHS_CAPPED] == 2
         assert (side.store.stats.paths_capped, side.store.stats.decided) == (2, 0)
         expected = _answer(llm, chunked_prompt([SYSTEM, *DOCS, QUESTION])[0])
         assert list(out.outputs[0].token_ids) == expected
         assert list(chose.outputs[0].token_ids) == expected
         two = generate(llm, [SYSTEM, DOC_A, DOC_B, QUESTION])
-        assert two.kv_transfer_params == {DOCUMENTS_KEPT: 1}
+        assert two.kv_transfer_params[DOCUMENTS_KEPT] == 1
         assert voting.num_decided == 1 and side.store.stats.paths_capped == 2
 
 
@@ -131,7 +131,7 @@ def test_choose_answers_on_the_close_documents_jointly(model_dir: str) -> None:
         free = num_free_blocks(llm)
         side = scheduler_of(llm).feature("chunk_cache").side
         out = generate(llm, [SYSTEM, *DOCS, QUESTION])
-        assert out.kv_transfer_params == {DOCUMENTS_KEPT: 2}
+        assert out.kv_transfer_params[DOCUMENTS_KEPT] == 2
         assert (side.store.stats.decided, side.store.stats.documents_kept) == (1, 2)
         llm.reset_prefix_cache()
         scores = [_question_logprob(llm, doc) for doc in DOCS]
@@ -141,7 +141,7 @@ def test_choose_answers_on_the_close_documents_jointly(model_dir: str) -> None:
         expected = _answer(llm, SYSTEM + DOCS[kept[0]] + DOCS[kept[1]] + QUESTION)
         assert list(out.outputs[0].token_ids) == expected
         one = generate(llm, [SYSTEM, *DOCS, QUESTION], attention="paths")
-        assert one.kv_transfer_params == {DOCUMENTS_KEPT: 1}
+        assert one.kv_transfer_params[DOCUMENTS_KEPT] == 1
         assert list(one.outputs[0].token_ids) == _answer(
             llm, SYSTEM + DOCS[ranked[0]] + QUESTION
         )

@@ -32,6 +32,7 @@ from tests.integration.conftest import (
     scheduler_of,
 )
 from vllm_kvreuse.chunk_cache.engine.recompute import Recompute
+from vllm_kvreuse.chunk_cache.engine.said import PREFILL_STEPS
 from vllm_kvreuse.chunk_cache.frontend.segments import chunked_prompt
 from vllm_kvreuse.config import KVReuseConfig
 
@@ -174,3 +175,43 @@ def test_a_partly_warm_request_loads_and_computes_in_place(
         recomputed = 8 + round(0.1 * chunk_tokens)
         assert again.num_cached_tokens == chunk_tokens - recomputed
         assert num_free_blocks(llm) == free
+
+
+LONG_DOCS = [list(range(1000 + 200 * i, 1150 + 200 * i)) for i in range(4)]
+
+
+def test_a_warm_request_reaches_its_first_token_in_one_step(
+    model_dir: str, hf_model
+) -> None:
+    """Four moved documents with the default recompute: every region loaded
+    and every recomputed span computed in one engine step (as rows of it),
+    as many steps as a plain prefix hit takes, and the reference's answer;
+    with one seat there are no rows to lend: one span a step, same answer."""
+    defaults = KVReuseConfig()
+    settings = Recompute(
+        head=defaults.chunk_recompute_head,
+        select=defaults.chunk_recompute_select,
+        tail=defaults.chunk_recompute_fraction,
+    )
+    cold = [SYSTEM, *LONG_DOCS, QUESTION]
+    warm = [SYSTEM, *reversed(LONG_DOCS), QUESTION]
+    assert len(expected_spans(warm, sources_after([cold], warm), settings)) == 5
+    answers = []
+    for seats in (8, 1):
+        with chunk_cache_llm(model_dir, max_num_seqs=seats, **DEFAULTS) as llm:
+            first = generate(llm, cold)
+            assert first.kv_transfer_params[PREFILL_STEPS] == 1  # first sight
+            _check(llm, hf_model, [cold], warm, settings)
+            llm.reset_prefix_cache()  # the chunks stay stored
+            hits = index_of(llm).stats.hits
+            out = generate(llm, warm)
+            assert index_of(llm).stats.hits == hits + 5
+            steps = out.kv_transfer_params[PREFILL_STEPS]
+            assert steps == 1 if seats > 1 else steps == 5
+            again = generate(llm, warm)  # a plain prefix hit
+            assert again.kv_transfer_params[PREFILL_STEPS] == 1
+            assert again.outputs[0].token_ids == out.outputs[0].token_ids
+            answers.append(out.outputs[0].token_ids)
+            stats = index_of(llm).stats
+            assert stats.prefilled == 4
+    assert answers[0] == answers[1]

@@ -133,6 +133,21 @@ def make_full_scheduler(
     )
 
 
+ROW = "#kvreuse-row-"  # in a row request's id (Upstream.split_rows)
+
+
+def _assert_rows_end(rows: set[str], output: SchedulerOutput) -> None:
+    """A step's row requests are ended by the next schedule's output, and
+    each row shares its request's blocks (one block table, several rows)."""
+    missing = rows - output.finished_req_ids
+    assert not missing, f"row requests never ended: {missing}"
+    new = {n.req_id: n for n in output.scheduled_new_reqs}
+    for row_id in (r for r in new if ROW in r):
+        parent = new[row_id.partition(ROW)[0]]
+        assert new[row_id].block_ids == parent.block_ids
+        assert new[row_id].num_computed_tokens < parent.num_computed_tokens
+
+
 def completing(scheduler: Scheduler, output: SchedulerOutput) -> set[str]:
     """Requests whose step ``output`` computes every token they have: they
     sample one. Read right after ``schedule``, as the model runner knows it
@@ -230,6 +245,7 @@ class Driver:
         self.max_idle_steps = 0
         self.log: list[str] = []  # the actions, for failure messages
         self.seen: Counter[str] = Counter()  # what happened, for statistics
+        self._rows: set[str] = set()  # row requests of the last schedule
         # The workers' chunk bytes: key -> (stored start, origin), as the
         # step's store decisions and saves leave them; ``broken``: chunks
         # whose bytes a tier lost (reported with the next step).
@@ -358,6 +374,11 @@ class Driver:
         """Records a schedule and checks liveness."""
         self.num_steps += 1
         self.scheduled = list(output.num_scheduled_tokens)
+        _assert_rows_end(self._rows, output)
+        self._rows = {r for r in self.scheduled if ROW in r}
+        self.seen["one-step prefills"] += len(
+            {r.partition(ROW)[0] for r in self._rows}
+        )
         meta = output.kv_connector_metadata
         self.seen["chunk loads"] += len(meta.loads)
         self.seen["chunk saves"] += len(meta.saves)

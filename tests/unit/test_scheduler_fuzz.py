@@ -69,6 +69,7 @@ EXERCISED = (
     "chunk exact_hits",  # a chunk loaded where it was computed
     "chunk loads failed",  # bytes a tier lost, or another chunk's since
     "chunks stored again after a loss",  # a lost chunk heals
+    "one-step prefills",  # a segmented prefill's spans as rows of one step
     "upstream preemptions",
     "copy-on-write forks",  # beam members and children inheriting blocks
     "beam STOP beams",

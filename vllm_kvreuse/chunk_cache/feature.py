@@ -10,15 +10,18 @@ request's blocks. Then:
    a salt naming their values (:class:`~.engine.keys.Provenance`), so they never
    match a request holding other values; a request that loads only what
    full attention computes keeps its own salt;
-2. its prefill is *segmented* where loads and computed spans alternate:
-   each step loads one region and computes the span after it
+2. its prefill is *segmented* where loads and computed spans alternate.
+   Where seats and the token budget allow, the whole of it runs in one
+   step (:mod:`.engine.rows`): every region loaded, every computed span a
+   query row of the step over the request's block table. Otherwise each
+   step loads one region and computes the span after it
    (:meth:`cap_new_tokens` ends the step there), and between steps
    :meth:`before_schedule` moves the request past the next region, which
-   the connector loads in that same step. Each span is a contiguous prefill
-   of vLLM's own, with exact causality, on every backend and both runners;
-   the moved request is sent to its workers whole (``core.resends.resend``:
-   both runners take a known request's new state from
-   ``scheduled_new_reqs``);
+   the connector loads in that same step. Either way each span is a
+   prefill of vLLM's own, with exact causality, on every backend and both
+   runners; the moved request is sent to its workers whole
+   (``core.resends.resend``: both runners take a known request's new state
+   from ``scheduled_new_reqs``);
 3. a preempted request is planned again from scratch when it is preempted
    (it holds no block then, so its salt may change).
 """
@@ -31,6 +34,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.chunk_cache.connector import find_chunk_connector
 from vllm_kvreuse.chunk_cache.engine.recompute import REQUEST_KEY, Recompute
+from vllm_kvreuse.chunk_cache.engine.rows import StepRows
 from vllm_kvreuse.chunk_cache.params import chunk_lengths
 from vllm_kvreuse.chunk_cache.paths import modes
 from vllm_kvreuse.chunk_cache.paths.ballot import Choice
@@ -41,6 +45,7 @@ from vllm_kvreuse.core.request_keys import BEAM, DOCUMENTS, PARENT
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.outputs import ModelRunnerOutput
 
     from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
     from vllm_kvreuse.core.context import Core
@@ -63,6 +68,8 @@ class ChunkCache(Feature):
             )
         assert connector.scheduler_side is not None
         self.side: ChunkScheduler = connector.scheduler_side
+        self.rows = StepRows(core.upstream)
+        self.side.arming.seats = self.rows
         # New segmented requests: upstream counts only their first load
         # region as cached at first schedule; after_schedule counts the rest.
         self._uncounted: set[str] = set()
@@ -72,7 +79,7 @@ class ChunkCache(Feature):
             "choose", settings.chunk_choose_margin, settings.chunk_choose_k
         )
         self.max_documents: int = settings.chunk_paths_max_documents  # 0: no cap
-        self.voting = Voting(core, self, self.side.note_decided)
+        self.voting = Voting(core, self, self.side.said.decided)
 
     # -- requests --------------------------------------------------------------
 
@@ -80,6 +87,7 @@ class ChunkCache(Feature):
         lengths = chunk_lengths(request, request.num_prompt_tokens)
         if lengths is None:
             return
+        self.side.said.steps[request.request_id] = 0
         attention = _attention_of(request, self.attention)
         if attention != "joint" and _may_take_paths(request):
             extra_args = request.sampling_params.extra_args or {}
@@ -92,7 +100,7 @@ class ChunkCache(Feature):
                 self.voting.start(request, layout, choice)
                 return
             # One scoring request a document: past the cap, joint, said so.
-            self.side.note_capped(request.request_id, self.max_documents)
+            self.side.said.capped(request.request_id, self.max_documents)
         self._plan(request, lengths)
 
     def on_preempt(self, request: Request) -> None:
@@ -123,23 +131,42 @@ class ChunkCache(Feature):
     def cap_new_tokens(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        """A segmented request's step ends where its recomputed span does."""
-        stop = self.side.compute_stop(request.request_id, num_computed_tokens)
-        return num_new_tokens if stop is None else stop - num_computed_tokens
+        """A one-pass step runs whole or not at all; else a segmented
+        request's step ends where its recomputed span does."""
+        return self.side.cap(request, num_computed_tokens, num_new_tokens)
 
     # -- steps -----------------------------------------------------------------
 
     def before_schedule(self) -> None:
+        self.rows.give_back()  # a schedule() that raised kept them
         for request_id in self.side.take_rolled_back():
             self.core.resends.resend(request_id)  # recomputes a failed load
         self._advance_segments()
 
     def after_schedule(self, output: SchedulerOutput) -> None:
+        """Armed one-pass requests scheduled whole run as rows; the others
+        stand where they did. Then the steps to first token are counted."""
+        self.rows.give_back()
+        armed = self.side.arming.take()
+        if armed or self.rows.has_work:
+            requests = self.core.scheduler.requests
+            for request_id in self.rows.split(output, armed):
+                if (request := requests.get(request_id)) is not None:
+                    self.side.disarm(request, armed[request_id])
+        if self.side.said.steps:
+            self.side.said.count_steps(output, self.core.scheduler.requests)
+        if self._uncounted:
+            self._count_cached()
+
+    def on_model_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> None:
+        self.rows.settle(scheduler_output)
+
+    def _count_cached(self) -> None:
         """At a new chunked request's first schedule, its prefill stats (and
         so ``cached_tokens``) count every token it will load from the store
         and that was stored when it arrived, whatever step loads it."""
-        if not self._uncounted:
-            return
         requests = self.core.scheduler.requests
         for request_id in list(self._uncounted):
             request = requests.get(request_id)

@@ -78,6 +78,8 @@ class ChunkPlan:
     ``block_salt``: the ``cache_salt`` its KV blocks are hashed under.
     ``held``: the store entries it pinned, by key (their pins are given back
     to those entries only, :meth:`~.store.ChunkStore.let_go`).
+    ``one_pass``: its prefill may run in one step (:mod:`.rows`); once a
+    step could not, it runs one span a step.
     """
 
     chunks: list[PlannedChunk]
@@ -87,6 +89,7 @@ class ChunkPlan:
     spans: list[Span] = field(default_factory=list)
     unsaved: list[PlannedChunk] = field(default_factory=list)
     held: list[tuple[ChunkKey, Any]] = field(default_factory=list)
+    one_pass: bool = True
 
     @property
     def loaded_keys(self) -> list[ChunkKey]:

@@ -1,19 +1,7 @@
 """The chunk cache's scheduler side: chunked requests' plans.
 
-A chunked request is planned on arrival, chunk by chunk, front to back:
-
-- a chunk the store holds *as computed after the same tokens* (its origin
-  is the one computing it here would give, :mod:`.keys`) is loaded: exactly
-  what full attention computes, so nothing of it is recomputed;
-- a chunk the store holds as computed elsewhere is loaded and moved there
-  by RoPE; its recomputed tokens (:mod:`.recompute`: heads, chunks chosen by
-  the question, a tail) are computed in the request;
-- a chunk the store does not hold is **computed in place**, attending
-  causally to everything before it, and stored from the request's own
-  blocks in the step that finishes it, under the origin it was computed
-  with (unless another request is computing it now, or the store is full of
-  pinned chunks: then it is only computed).
-
+A chunked request is planned on arrival (:mod:`.placement`: each chunk
+loaded, loaded and partly recomputed, or computed in place and stored).
 So a request whose chunks are all new is computed exactly as plain vLLM
 computes its tokens, and keeps its own ``cache_salt``; every stored chunk
 carries the context of the request that first brought it.
@@ -21,12 +9,16 @@ carries the context of the request that first brought it.
 Liveness: a request never waits for another. Every chunk it loads is
 stored and pinned when it is planned; everything else it computes.
 
-Segments: a plan with loads and computed spans loads its first region on
-admission (the connector's external tokens) and every later region between
-two steps (:meth:`advance` moves the running request's computed count past
-it, and the region's load goes out with the step that computes the span
-after it). :meth:`compute_stop` caps each step's prefill at the span's end,
-so every computed span is a contiguous prefill with exact causality.
+Segments: a plan with loads and computed spans runs its whole prefill in
+one step where it can (:mod:`.rows`: every region loaded, every computed
+span a query row of that step; armed on admission or between steps). Where
+it cannot (no free runner rows, a token budget too small, prompt log-probs
+asked), it runs one span a step: it loads its first region on admission
+(the connector's external tokens) and every later region between two steps
+(:meth:`advance` moves the running request's computed count past it, and
+the region's load goes out with the step that computes the span after it);
+:meth:`cap` ends each step's prefill at the span's end. Either way every
+computed span is a prefill with exact causality.
 
 The store itself (keys, pins, reservations) belongs to :mod:`.store`.
 """
@@ -37,34 +29,24 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import Request
 
-from vllm_kvreuse.chunk_cache.engine.index import Entry
-from vllm_kvreuse.chunk_cache.engine.keys import Provenance
+from vllm_kvreuse.chunk_cache.engine.placement import place_chunks
 from vllm_kvreuse.chunk_cache.engine.plan import (
     ChunkMeta,
     ChunkPlan,
     ChunkWorkerReport,
     LoadSpec,
-    PlannedChunk,
     SaveSpec,
 )
 from vllm_kvreuse.chunk_cache.engine.recompute import (
     Recompute,
     Span,
-    choose_spans,
-    clip,
-    merge,
 )
+from vllm_kvreuse.chunk_cache.engine.rows import Arming, Rows
+from vllm_kvreuse.chunk_cache.engine.said import Said
 from vllm_kvreuse.chunk_cache.engine.stats import Reports
 from vllm_kvreuse.chunk_cache.engine.tiers import build_store
 from vllm_kvreuse.core.spec import settings_of
 from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
-
-DOCUMENTS_KEPT = "kvreuse_documents_kept"
-"""The response's ``kv_transfer_params`` key: how many documents a request
-in ``paths`` or ``choose`` mode was answered on."""
-PATHS_CAPPED = "kvreuse_paths_capped"
-"""Its key for a ``paths`` or ``choose`` request run ``joint``, unscored, for
-having more documents than the value (``--chunk-paths-max-documents``)."""
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -90,14 +72,15 @@ class ChunkScheduler:
         self.plans: dict[str, ChunkPlan] = {}
         # requests computing chunks they store, until their last save
         self._computing: dict[str, Request] = {}
-        # request id -> the load region [start, stop) its next scheduled step
-        # loads (set on admission, or by advance() between steps)
-        self._loads: dict[str, tuple[int, int]] = {}
+        # request id -> the load regions its next scheduled step loads (set
+        # on admission, or by advance() between steps)
+        self._loads: dict[str, list[Span]] = {}
+        self.arming = Arming(vllm_config)  # one-pass steps (.rows)
         self._offered: dict[str, int] = {}  # request id -> end of the offered load
         self._kv_cache_manager: KVCacheManager | None = None
         self._reports = Reports()
         self.rolled_back: set[str] = set()
-        self._said: dict[str, dict[str, Any]] = {}  # id -> kv_transfer_params
+        self.said = Said(self.store.stats)  # its responses' kv_transfer_params
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -110,39 +93,9 @@ class ChunkScheduler:
         """``request``'s plan (pins its loads, reserves what it stores), or
         None when it neither loads nor stores a chunk (it then runs as an
         ordinary request, which it is)."""
-        prompt = request.prompt_token_ids or []
         settings = self.recompute if recompute is None else recompute
-        rules = choose_spans(prompt, lengths, settings)
-        provenance = Provenance(request.cache_salt, self.store.identity)
-        lora = getattr(request.lora_request, "lora_name", "")
-        chunks: list[PlannedChunk] = []
-        spans: list[Span] = []
-        held: list[tuple[bytes, Entry]] = []
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        keys = [
-            self.store.key(request.cache_salt, lora, prompt[a : a + n])
-            for a, n in zip(starts, lengths, strict=True)
-        ]
-        self.store.lookup_shared(keys)
-        for key, start, length in zip(keys, starts, lengths, strict=True):
-            tokens = prompt[start : start + length]
-            chunk, chunk_spans = self._place(
-                key, start, length, provenance, rules, request.request_id, held
-            )
-            chunks.append(chunk)
-            spans += chunk_spans
-            provenance.feed(tokens)
-        plan = ChunkPlan(
-            chunks,
-            user_salt=request.cache_salt,
-            block_salt=provenance.block_salt(),
-            # Touching spans are one prefill: new chunks side by side are
-            # computed in one step, as plain vLLM computes them (the same
-            # kernels and shapes, so the same rounding on any device).
-            spans=merge(spans),
-            unsaved=[chunk for chunk in chunks if chunk.saves],
-            held=held,
-        )
+        plan = place_chunks(self.store, request, lengths, settings)
+        plan.one_pass = self.arming.allows(request)
         plan.count(self.store.stats)
         if not plan.loaded_keys and not plan.unsaved:
             return None
@@ -151,46 +104,12 @@ class ChunkScheduler:
             self._computing[request.request_id] = request
         return plan
 
-    def _place(
-        self,
-        key: bytes,
-        start: int,
-        length: int,
-        provenance: Provenance,
-        rules: list[Span],
-        owner: str,
-        held: list[tuple[bytes, Entry]],
-    ) -> tuple[PlannedChunk, list[Span]]:
-        """One chunk's part of the plan, and the positions of it computed. A
-        chunk it loads is pinned at once (added to ``held``): no later
-        chunk's reservation may evict it."""
-        whole = (start, start + length)
-        origin = provenance.origin(key)
-        entry = self.store.hold(key)
-        if entry is None and not self.store.is_known(key):
-            self.store.note_miss(key)
-        if entry is not None:
-            held.append((key, entry))
-            loaded = PlannedChunk(
-                key, start, length, stored_start=entry.start, origin=entry.origin
-            )
-            if entry.origin == origin:
-                self.store.stats.exact_hits += 1
-                return loaded, []
-            recomputed = clip(rules, [whole])
-            provenance.loaded_approximately(start, length, entry.origin, recomputed)
-            return loaded, recomputed
-        saves = not self.store.is_known(key) and self.store.reserve(
-            key, length, start, origin, owner
-        )
-        chunk = PlannedChunk(key, start, length, saves=saves, origin=origin)
-        return chunk, [whole]
-
     def release(self, request_id: str) -> ChunkPlan | None:
         """Drops ``request_id``'s plan: its pins, and the reservations of
         chunks it has not saved (a preempted request is planned again)."""
         self._loads.pop(request_id, None)
         self._offered.pop(request_id, None)
+        self.arming.armed.pop(request_id, None)
         self._computing.pop(request_id, None)
         plan = self.plans.pop(request_id, None)
         if plan is not None:
@@ -205,29 +124,58 @@ class ChunkScheduler:
         plan = self.plans.get(request_id)
         return None if plan is None else plan.num_loaded(begin=num_local)
 
-    def compute_stop(self, request_id: str, num_computed: int) -> int | None:
-        """Where a prefill of ``request_id`` from ``num_computed`` must stop
-        (the end of its computed span); None: no limit."""
+    def cap(self, request: Request, num_computed: int, num_new: int) -> int:
+        """How many of ``num_new`` tokens a prefill of ``request`` from
+        ``num_computed`` may run: all of an armed one-pass step or none (it
+        then runs one span a step from the next), else up to its span's end.
+        A step armed where the request does not stand (upstream's own hit
+        reached further) is dropped."""
+        request_id = request.request_id
+        rows = self.arming.armed.get(request_id)
+        if rows is not None:
+            if num_computed != rows.first_position(request.num_tokens):
+                del self.arming.armed[request_id]
+            elif num_new >= rows.num_tokens:
+                return rows.num_tokens
+            else:
+                self.plans[request_id].one_pass = False
+                return 0
         plan = self.plans.get(request_id)
         if plan is None or not plan.spans:
-            return None
-        return plan.compute_stop(num_computed)
+            return num_new
+        stop = plan.compute_stop(num_computed)
+        return num_new if stop is None else stop - num_computed
 
     def advance(self, request: Request) -> bool:
-        """Moves a running segmented request past the load region it stands
-        at: its computed count jumps to the region's end and the region is
-        loaded in the next step that schedules it. True if it moved (its
+        """Moves a running segmented request past what its next step loads:
+        to where a one-pass step starts (:mod:`.rows`), else past the load
+        region it stands at. Its computed count jumps there and the regions
+        are loaded in the next step that schedules it. True if it moved (its
         workers must then get its whole state again)."""
-        plan = self.plans.get(request.request_id)
-        if plan is None or not plan.spans or request.request_id in self._loads:
+        request_id = request.request_id
+        plan = self.plans.get(request_id)
+        if plan is None or not plan.spans or request_id in self._loads:
             return False
         start = request.num_computed_tokens
+        if not start:
+            return False  # not admitted yet
+        if (rows := self.arming.arm(plan, request, start, admitting=False)) is not None:
+            self._loads[request_id] = rows.loads
+            Upstream.move_computed(request, rows.first_position(request.num_tokens))
+            return True
         stop = plan.load_stop(start)
-        if stop == start or not start:
-            return False  # not in a load region, or not admitted yet
-        self._loads[request.request_id] = (start, stop)
+        if stop == start:
+            return False  # not in a load region
+        self._loads[request_id] = [(start, stop)]
         Upstream.move_computed(request, stop)
         return True
+
+    def disarm(self, request: Request, rows: Rows) -> None:
+        """An armed step that did not run: the request stands where it did."""
+        self._loads.pop(request.request_id, None)
+        self._offered.pop(request.request_id, None)
+        if request.num_computed_tokens == rows.first_position(request.num_tokens):
+            Upstream.move_computed(request, rows.real)
 
     # -- vLLM's connector calls ------------------------------------------------
 
@@ -241,26 +189,31 @@ class ChunkScheduler:
         # Upstream loads what is offered here from num_computed_tokens on,
         # and tells update_state_after_alloc only how many.
         self._offered[request.request_id] = stop
+        rows = self.arming.arm(plan, request, num_computed_tokens, admitting=True)
+        if rows is not None:
+            return rows.first_position(request.num_tokens) - num_computed_tokens, False
         return stop - num_computed_tokens, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         stop = self._offered.pop(request.request_id, None)
-        if stop is not None and num_external_tokens:
-            self._loads[request.request_id] = (stop - num_external_tokens, stop)
+        if (rows := self.arming.armed.get(request.request_id)) is not None:
+            self._loads[request.request_id] = rows.loads
+        elif stop is not None and num_external_tokens:
+            self._loads[request.request_id] = [(stop - num_external_tokens, stop)]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkMeta:
         meta = ChunkMeta()
         scheduled = scheduler_output.num_scheduled_tokens
         if self._loads:
             for request_id in [r for r in self._loads if r in scheduled]:
-                start, stop = self._loads.pop(request_id)
+                regions = self._loads.pop(request_id)
                 plan = self.plans[request_id]
                 blocks = self._block_ids(request_id)
-                pieces = plan.pieces(start, stop)
+                pieces = [p for a, b in regions for p in plan.pieces(a, b)]
                 meta.loads.append(LoadSpec(request_id, blocks, pieces))
-                if stop >= plan.last_load_end:
+                if regions[-1][1] >= plan.last_load_end:
                     self._unpin(plan)
             if meta.loads:  # a running request's load feeds this step's forward
                 scheduler_output.has_sync_kv_loads = True
@@ -293,18 +246,7 @@ class ChunkScheduler:
         """Releases the request's plan; returns what its client reads in the
         response's ``kv_transfer_params`` (the documents kept, or the cap), if any."""
         self.release(request.request_id)
-        return self._said.pop(request.request_id, None)
-
-    def note_decided(self, request_id: str, kept: int) -> None:
-        """Answer paths decided ``request_id`` on ``kept`` documents."""
-        self.store.stats.decided += 1
-        self.store.stats.documents_kept += kept
-        self._said[request_id] = {DOCUMENTS_KEPT: kept}
-
-    def note_capped(self, request_id: str, cap: int) -> None:
-        """``request_id`` has more than ``cap`` documents: it runs joint."""
-        self.store.stats.paths_capped += 1
-        self._said[request_id] = {PATHS_CAPPED: cap}
+        return self.said.take(request.request_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers report: chunks a tier lost are forgotten, and a

@@ -50,6 +50,11 @@ class StoreStats:
     remote_hits: int = _count(
         "Chunks found in the shared store (read, moved to the device)."
     )
+    prefill_steps: int = _count(
+        "Engine steps chunked requests took from admission to their first "
+        "token (divide by prefilled: a plain prefix hit takes one)."
+    )
+    prefilled: int = _count("Chunked requests that reached their first token.")
     saved: int = _count("Chunks computed in place and stored.")
     published: int = _count("Chunks written to the shared store.")
     demoted: int = _count("Chunks moved from the device tier to the CPU tier.")

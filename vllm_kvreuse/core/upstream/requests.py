@@ -64,6 +64,17 @@ def move_computed(request: Request, num_computed: int) -> None:
     request.num_computed_tokens = num_computed
 
 
+def settle_rows(request: Request, num_row_tokens: int) -> None:
+    """The request's step ran ``num_row_tokens`` of its scheduled tokens as
+    row requests (:meth:`.scheduler.Upstream.split_rows`): upstream counted
+    them in flight under the request and, finishing the step, takes back
+    only what the request's own row ran; called just before it does."""
+    request.num_in_flight_tokens -= num_row_tokens
+    if request.num_stale_output_tokens > 0:  # preempted while in flight
+        stale = min(num_row_tokens, request.num_stale_output_tokens)
+        request.num_stale_output_tokens -= stale
+
+
 def history(request: Request, start: int) -> list[int]:
     """A copy of the request's tokens from ``start`` on."""
     return request._all_token_ids[start:]

@@ -35,6 +35,7 @@ from vllm.v1.request import Request
 from vllm_kvreuse.core.upstream import requests as request_state
 
 if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -52,6 +53,7 @@ class Upstream:
             scheduler.cache_config.hash_block_size or scheduler.block_size
         )
         self.v2 = scheduler.use_v2_model_runner
+        self._num_rows = 0  # row requests made (their ids are unique)
 
     # -- the block pool ----------------------------------------------------------
 
@@ -105,6 +107,7 @@ class Upstream:
     rehash = staticmethod(request_state.rehash)
     hasher_of = staticmethod(request_state.hasher_of)
     move_computed = staticmethod(request_state.move_computed)
+    settle_rows = staticmethod(request_state.settle_rows)
     history = staticmethod(request_state.history)
     adopt = staticmethod(request_state.adopt)
 
@@ -140,6 +143,17 @@ class Upstream:
         """Requests that may run at once (``max_num_seqs``, pipeline-capped)."""
         scheduler = self._scheduler
         return min(scheduler.max_num_running_reqs, scheduler.max_num_active_reqs)
+
+    def borrow_seats(self, num: int) -> None:
+        """Lowers the seat limits by ``num`` for the schedule() in progress:
+        the runner rows they stand for carry a request's extra query rows
+        (:meth:`split_rows`); :meth:`return_seats` undoes it after it."""
+        self._scheduler.max_num_running_reqs -= num
+        self._scheduler.max_num_active_reqs -= num
+
+    def return_seats(self, num: int) -> None:
+        self._scheduler.max_num_running_reqs += num
+        self._scheduler.max_num_active_reqs += num
 
     def preempt(self, requests: list[Request]) -> None:
         """Preempts running ``requests`` as upstream does (out of the running
@@ -212,6 +226,56 @@ class Upstream:
         if picked:
             _drop_rows(cached, set(picked))
         return sent
+
+    def split_rows(
+        self,
+        output: SchedulerOutput,
+        request: Request,
+        rows: list[tuple[int, int]],
+        params: SamplingParams,
+    ) -> list[str]:
+        """Runs the tokens ``output`` schedules for ``request`` as query rows
+        over its one block table: ``rows`` are the positions ``[a, b)`` they
+        compute (sorted; their lengths sum to what was scheduled). The
+        request itself runs the last (it is sent whole, standing at the
+        row's start); every other row is a *row request* the workers see as
+        a new request, with the request's blocks and prompt up to ``b`` and
+        ``a`` computed. Returns the row requests' ids: they must be ended
+        (:meth:`end_rows`) in a later step's output. The scheduler never
+        knows them; :func:`.requests.settle_rows` squares the request's
+        in-flight count when the step's output comes back."""
+        request_id = request.request_id
+        self.send_whole(output, {request_id})
+        new = next(n for n in output.scheduled_new_reqs if n.req_id == request_id)
+        *others, (start, stop) = rows
+        new.num_computed_tokens = start
+        output.num_scheduled_tokens[request_id] = stop - start
+        prompt = request.prompt_token_ids or []
+        ids = []
+        for first, end in others:
+            self._num_rows += 1
+            row_id = f"{request_id}#kvreuse-row-{self._num_rows}"
+            tokens = prompt[:end]
+            row = NewRequestData(
+                req_id=row_id,
+                prompt_token_ids=tokens,
+                mm_features=[],
+                sampling_params=params,
+                pooling_params=None,
+                block_ids=new.block_ids,
+                num_computed_tokens=first,
+                lora_request=request.lora_request,
+                prefill_token_ids=tokens if self.v2 else None,
+            )
+            output.scheduled_new_reqs.append(row)
+            output.num_scheduled_tokens[row_id] = end - first
+            ids.append(row_id)
+        return ids
+
+    @staticmethod
+    def end_rows(output: SchedulerOutput, row_ids: Iterable[str]) -> None:
+        """The workers drop these row requests with this step."""
+        output.finished_req_ids.update(row_ids)
 
 
 def _drop_rows(cached: Any, rows: set[int]) -> None:
