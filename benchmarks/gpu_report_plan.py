@@ -26,19 +26,41 @@ SECTION_TITLES = (
 
 
 @dataclass(frozen=True)
+class RagShape:
+    """One RAG prompt shape: documents a prompt, tokens a document, and
+    requests a phase (fewer where prompts are long)."""
+
+    documents: int
+    doc_tokens: int
+    requests: int
+
+    @property
+    def label(self) -> str:
+        """The prompt's size, e.g. ``4K`` (documents only, rounded)."""
+        tokens = self.documents * self.doc_tokens
+        return f"{round(tokens / 1000)}K" if tokens >= 1000 else str(tokens)
+
+    @property
+    def stored_tokens(self) -> int:
+        """Document tokens a run of this shape stores (cold: every document
+        new, mixed: half)."""
+        k = self.documents
+        return self.requests * (k + k // 2) * self.doc_tokens
+
+
+@dataclass(frozen=True)
 class Sizes:
     """The workload of each section."""
 
-    doc_tokens: int
-    requests: int  # per RAG phase
+    rag_shapes: tuple[RagShape, ...]
     beam_args: dict
     two_stage_args: dict
     micro_argv: list[str]
 
 
 GPU_SIZES = Sizes(
-    doc_tokens=1000,
-    requests=8,
+    # About 4K, 16K and 32K tokens, the 7B shape.
+    rag_shapes=(RagShape(4, 1000, 8), RagShape(8, 2000, 3), RagShape(8, 4000, 2)),
     # The RecIF-like shape benchmarks/sid_beams.py documents for a GPU.
     beam_args=dict(
         prompt_tokens=2500,
@@ -69,8 +91,7 @@ GPU_SIZES = Sizes(
     ],
 )
 DRY_SIZES = Sizes(
-    doc_tokens=120,
-    requests=2,
+    rag_shapes=(RagShape(4, 120, 2), RagShape(8, 60, 1)),
     beam_args=dict(
         prompt_tokens=64,
         codebook=1024,
@@ -101,7 +122,7 @@ class Plan:
     """Seconds: ``start`` (models built and servers ready; ``correctness``
     runs beside it), then each measured section's. Empty in a dry run."""
     kv_bytes: dict[str, int]
-    doc_words: int = 0
+    doc_words: list[int] = field(default_factory=list)  # per RAG shape
     store_fraction: float = 0.1
     store_note: str = ""
     catalog: Path = field(init=False)
@@ -129,7 +150,7 @@ class Plan:
                 dict(
                     start=200,
                     correctness=180,
-                    rag=60,
+                    rag=150,
                     beams=90,
                     two_stage=50,
                     micro=60,
@@ -187,9 +208,10 @@ class Plan:
 
     def common_args(self, model: str) -> list[str]:
         if model == self.rag_model and not self.dry_run:
+            longest = max(s.documents * s.doc_tokens for s in self.sizes.rag_shapes)
             return [
                 "--max-model-len",
-                "8192",
+                str(longest + 2048),
                 "--max-num-batched-tokens",
                 "8192",
                 "--max-num-seqs",
@@ -265,15 +287,23 @@ class Plan:
 
         sizes = self.sizes
         if name == "rag":
-            args = dict(
-                docs_per_prompt=4,
-                doc_words=self.doc_words,
-                requests=sizes.requests,
-                concurrency=1,
-                warm_recompute=['"none"'],
-                warm_attention=[],
-            )
-            return {"plain": url("rag_plain"), "chunk": url("rag_chunk"), "args": args}
+            shapes = [
+                dict(
+                    label=shape.label,
+                    docs_per_prompt=shape.documents,
+                    doc_words=words,
+                    requests=shape.requests,
+                    concurrency=1,
+                    warm_recompute=['"none"'],
+                    warm_attention=["paths", "choose"],
+                )
+                for shape, words in zip(sizes.rag_shapes, self.doc_words, strict=True)
+            ]
+            return {
+                "plain": url("rag_plain"),
+                "chunk": url("rag_chunk"),
+                "shapes": shapes,
+            }
         if name == "beams":
             return {
                 "args": dict(sizes.beam_args, model=self.beam_model),
@@ -322,8 +352,9 @@ class Plan:
 
     def size_store(self) -> None:
         """Sizes the RAG documents and the chunk store so that the store
-        holds every document of the run (with a quarter to spare). Every
-        preset shares one tokenizer: the tiny model's is read."""
+        holds every document of the largest shape's run (with a quarter to
+        spare; each shape's documents are its own, so an earlier shape's
+        may go). Every preset shares one tokenizer: the tiny model's is read."""
         import rag_chunk_cache
         from transformers import AutoTokenizer
 
@@ -337,16 +368,18 @@ class Plan:
         bytes_per_token = (
             2 * preset.num_layers * preset.num_kv_heads * preset.head_dim * dtype_bytes
         )
-        self.doc_words = max(8, round(self.sizes.doc_tokens / tokens_per_word))
-        documents = self.sizes.requests * (4 + 2)  # cold 4 new a request, mixed 2
-        needed = documents * self.sizes.doc_tokens * bytes_per_token * 1.25
+        shapes = self.sizes.rag_shapes
+        self.doc_words = [max(8, round(s.doc_tokens / tokens_per_word)) for s in shapes]
+        stored = max(s.stored_tokens for s in shapes)
+        needed = stored * bytes_per_token * 1.25
         kv = self.kv_bytes.get(self.rag_model, GIB)
-        if needed > kv and self.rag_model in self.kv_bytes:  # a larger KV cache
-            kv = self.kv_bytes[self.rag_model] = -(-int(needed) // 2**20) * 2**20
+        if needed / 0.6 > kv and self.rag_model in self.kv_bytes:  # a larger cache:
+            # the store takes at most 60%, the rest runs the longest prompts
+            kv = self.kv_bytes[self.rag_model] = -(-int(needed / 0.6) // 2**20) * 2**20
         self.store_fraction = min(1.0, needed / kv)
         self.store_note = (
-            f"{documents} documents of ~{self.sizes.doc_tokens} tokens "
-            f"({self.doc_words} words) x {bytes_per_token} B/token x 1.25 = "
-            f"{needed / 2**20:.0f} MiB: --chunk-cache-device-fraction "
-            f"{self.store_fraction:.3f} of a {kv / GIB:.1f} GiB KV cache"
+            f"{stored} document tokens (the largest shape's run) x "
+            f"{bytes_per_token} B/token x 1.25 = {needed / 2**20:.0f} MiB: "
+            f"--chunk-cache-device-fraction {self.store_fraction:.3f} of a "
+            f"{kv / GIB:.1f} GiB KV cache"
         )
