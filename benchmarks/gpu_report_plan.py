@@ -91,7 +91,7 @@ GPU_SIZES = Sizes(
     ],
 )
 DRY_SIZES = Sizes(
-    rag_shapes=(RagShape(4, 120, 2), RagShape(8, 60, 1)),
+    rag_shapes=(RagShape(4, 120, 2), RagShape(8, 100, 1)),
     beam_args=dict(
         prompt_tokens=64,
         codebook=1024,

@@ -52,7 +52,10 @@ def test_every_section_of_the_report_produces_its_table(
     results = json.loads((tmp_path / "results.json").read_text())
     for file, outcomes in results["Correctness"].items():
         assert set(outcomes) <= {"passed", "skipped"} and outcomes["passed"], file
-    assert results["RAG: chunk cache against plain vLLM"]["warm_hit_rate"] > 0
+    rag = results["RAG: chunk cache against plain vLLM"]
+    assert rag["warm_hit_rate"] > 0
+    assert list(rag["shapes"]) == ["480", "800"]  # every shape, each row
+    assert all(len(rows) == 7 for rows in rag["shapes"].values())
     beams = results["Beams: engine and catalog beams against vLLM's beam search"]
     assert beams["illegal_catalog"] == 0
     assert results["Two-stage (OpenOneRec)"]["d_over_stage1"] > 0

@@ -376,9 +376,7 @@ class Driver:
         self.scheduled = list(output.num_scheduled_tokens)
         _assert_rows_end(self._rows, output)
         self._rows = {r for r in self.scheduled if ROW in r}
-        self.seen["one-step prefills"] += len(
-            {r.partition(ROW)[0] for r in self._rows}
-        )
+        self.seen["one-step prefills"] += len({r.partition(ROW)[0] for r in self._rows})
         meta = output.kv_connector_metadata
         self.seen["chunk loads"] += len(meta.loads)
         self.seen["chunk saves"] += len(meta.saves)
