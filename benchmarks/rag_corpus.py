@@ -15,7 +15,11 @@ token (``max_tokens`` 1). Every mode gets the same stream:
 - ``chunk:none``: the same, each request with ``chunk_recompute: "none"``
   (what the store alone gives, without the default's recomputed tokens);
 - ``chunk+disk``: ``chunk`` with a disk tier (``--disk-gib``) that holds
-  the corpus.
+  the corpus;
+- ``chunk:choose`` (or ``chunk:paths``): ``chunk``, each request in that
+  answer mode (``chunk_attention``): its paths' ``system + document``
+  prefixes load from the store's tiers when vLLM's prefix cache no longer
+  holds them (not in the default ``--modes``).
 
 The ideal hit rate is computed from the stream: a segment (system prompt or
 document) counts as an ideal hit when an earlier request of the stream had
@@ -179,6 +183,8 @@ def run_stream(server: Server, mode: str, docs: list[str], args) -> Run:
                     body["chunks"] = segments
                 if mode == "chunk:none":
                     body["chunk_recompute"] = "none"
+                elif mode in ("chunk:choose", "chunk:paths"):
+                    body["chunk_attention"] = mode.partition(":")[2]
                 started = time.monotonic()
                 response = http.post("/v1/completions", json=body)
                 elapsed = time.monotonic() - started

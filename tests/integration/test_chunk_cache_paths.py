@@ -19,6 +19,7 @@ from tests.integration.chunks import (
     SYSTEM,
     chunk_cache_llm,
     generate,
+    stored_reference,
 )
 from tests.integration.conftest import num_free_blocks, scheduler_of
 from vllm_kvreuse.chunk_cache.engine.said import DOCUMENTS_KEPT, PATHS_CAPPED
@@ -177,11 +178,15 @@ def test_the_threshold_judges_a_paths_request_on_its_prompt(model_dir: str) -> N
         assert voting.num_decided == 1 and num_free_blocks(llm) == free
 
 
-def test_a_continuation_of_a_paths_request_runs_jointly(model_dir: str) -> None:
+def test_a_continuation_of_a_paths_request_runs_jointly(
+    model_dir: str, hf_model
+) -> None:
     """A child of a parent answered on a path continues the prompt its
     client sent (the parent's chunks, its output, the suffix), jointly: its
-    documents are new to the store, so it answers as plain vLLM on those
-    tokens, inheriting the parent's blocks only where they agree."""
+    documents were stored by the parent's paths, each after the system
+    prompt, so it answers as the chunk cache's reference on those tokens
+    (the first document in place, the second moved), inheriting the
+    parent's blocks only where they agree."""
     with chunk_cache_llm(
         model_dir, chunk_attention="paths", enable_continuation=True
     ) as llm:
@@ -201,9 +206,41 @@ def test_a_continuation_of_a_paths_request_runs_jointly(model_dir: str) -> None:
             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
         )
         assert voting.num_decided == 1  # the child ran jointly
-        prompt = token_ids + list(parent.outputs[0].token_ids) + suffix
+        question = QUESTION + list(parent.outputs[0].token_ids) + suffix
+        paths = [[SYSTEM, DOC_A, QUESTION], [SYSTEM, DOC_B, QUESTION]]
+        segments = [SYSTEM, DOC_A, DOC_B, question]
+        expected, _ = stored_reference(hf_model, paths, segments, 4)
         llm.reset_prefix_cache()  # releases the retained parent
-        assert list(child.outputs[0].token_ids) == _answer(llm, prompt)[:4]
+        assert list(child.outputs[0].token_ids) == expected
         assert child.num_cached_tokens >= len(SYSTEM) // 32 * 32
         llm.reset_prefix_cache()
+        assert num_free_blocks(llm) == free
+
+
+def test_paths_load_their_prefixes_from_the_chunk_store(model_dir: str) -> None:
+    """Over a corpus vLLM's prefix cache lets a path's ``system + document``
+    go; the chunk store keeps each document as its scoring request computed
+    it after the system prompt, and later scoring requests (and the decided
+    request's first kept document) load it exactly: the same scores, the
+    same decision, the same answer as computing everything."""
+    with chunk_cache_llm(
+        model_dir, chunk_attention="choose", chunk_choose_margin=100.0
+    ) as llm:
+        free = num_free_blocks(llm)
+        stats = scheduler_of(llm).feature("chunk_cache").side.store.stats
+        first = generate(llm, [SYSTEM, *DOCS, QUESTION])
+        assert stats.saved >= len(DOCS)  # each document, after the system prompt
+        llm.reset_prefix_cache()  # vLLM's prefix cache forgets; the store keeps
+        exact = stats.exact_hits
+        again = generate(llm, [SYSTEM, *DOCS, QUESTION])
+        # Each scoring request loads system + its document; the decided
+        # request its system prompt and first kept document.
+        assert stats.exact_hits - exact == 2 * len(DOCS) + 2
+        assert again.kv_transfer_params[DOCUMENTS_KEPT] == 2
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        llm.reset_prefix_cache()
+        scores = [_question_logprob(llm, doc) for doc in DOCS]
+        kept = sorted(sorted(range(len(DOCS)), key=lambda i: (-scores[i], i))[:2])
+        expected = _answer(llm, SYSTEM + DOCS[kept[0]] + DOCS[kept[1]] + QUESTION)
+        assert list(again.outputs[0].token_ids) == expected
         assert num_free_blocks(llm) == free

@@ -79,7 +79,7 @@ class ChunkCache(Feature):
             "choose", settings.chunk_choose_margin, settings.chunk_choose_k
         )
         self.max_documents: int = settings.chunk_paths_max_documents  # 0: no cap
-        self.voting = Voting(core, self, self.side.said.decided)
+        self.voting = Voting(core, self, self._decided, self._plan_path)
 
     # -- requests --------------------------------------------------------------
 
@@ -210,6 +210,21 @@ class ChunkCache(Feature):
                 continue
             if self.side.advance(request):
                 self.core.resends.resend(request_id)
+
+    def _plan_path(self, scoring: Request, lengths: list[int]) -> None:
+        """A scoring request's ``head + document`` loads from the store
+        where it is stored exact, and is stored where it is new."""
+        self.side.plan(scoring, lengths, Recompute(), exact=True)
+
+    def _decided(self, request_id: str, kept: int) -> None:
+        """A decided request (its prompt now the kept documents') loads
+        what the store holds exact (its head and first kept document, as
+        its path stored them) and computes the rest: full attention."""
+        self.side.said.decided(request_id, kept)
+        request = self.core.scheduler.requests.get(request_id)
+        lengths = chunk_lengths(request, request.num_prompt_tokens) if request else None
+        if request is not None and lengths is not None:
+            self.side.plan(request, lengths, Recompute(), exact=True)
 
     def _plan(self, request: Request, lengths: list[int] | None = None) -> None:
         """Plans a chunked request (it holds no block now) and re-hashes its

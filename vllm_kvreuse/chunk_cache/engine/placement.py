@@ -13,7 +13,9 @@
   pinned chunks: then it is only computed).
 
 Every chunk a plan loads is pinned as it is placed: no later chunk's
-reservation may evict it.
+reservation may evict it. An *exact* plan (answer paths' scoring requests,
+whose scores must be what computing gives) loads only chunks stored after
+the same tokens and computes the others.
 """
 
 from __future__ import annotations
@@ -38,9 +40,14 @@ if TYPE_CHECKING:
 
 
 def place_chunks(
-    store: ChunkStore, request: Request, lengths: list[int], settings: Recompute
+    store: ChunkStore,
+    request: Request,
+    lengths: list[int],
+    settings: Recompute,
+    exact: bool = False,
 ) -> ChunkPlan:
-    """``request``'s chunks placed (loads pinned, saves reserved)."""
+    """``request``'s chunks placed (loads pinned, saves reserved); ``exact``:
+    only chunks stored after the same tokens are loaded."""
     prompt = request.prompt_token_ids or []
     rules = choose_spans(prompt, lengths, settings)
     provenance = Provenance(request.cache_salt, store.identity)
@@ -57,7 +64,13 @@ def place_chunks(
     for key, start, length in zip(keys, starts, lengths, strict=True):
         tokens = prompt[start : start + length]
         chunk, chunk_spans = _place(
-            store, key, (start, length), provenance, rules, request.request_id, held
+            store,
+            key,
+            (start, length),
+            provenance,
+            rules,
+            (request.request_id, exact),
+            held,
         )
         chunks.append(chunk)
         spans += chunk_spans
@@ -81,18 +94,22 @@ def _place(
     where: tuple[int, int],
     provenance: Provenance,
     rules: list[Span],
-    owner: str,
+    owner: tuple[str, bool],
     held: list[tuple[bytes, Entry]],
 ) -> tuple[PlannedChunk, list[Span]]:
     """One chunk's part of the plan (``where``: its start and length), and
     the positions of it computed. A chunk it loads is pinned at once (added
-    to ``held``)."""
+    to ``held``). ``owner``: the request's id, and whether it loads only
+    exact chunks."""
     start, length = where
-    whole = (start, start + length)
+    (owner_id, exact), whole = owner, (start, start + length)
     origin = provenance.origin(key)
     entry = store.hold(key)
     if entry is None and not store.is_known(key):
         store.note_miss(key)
+    if entry is not None and exact and entry.origin != origin:
+        store.let_go([(key, entry)])  # stored after other tokens: computed
+        return PlannedChunk(key, start, length, origin=origin), [whole]
     if entry is not None:
         held.append((key, entry))
         loaded = PlannedChunk(
@@ -104,6 +121,8 @@ def _place(
         recomputed = clip(rules, [whole])
         provenance.loaded_approximately(start, length, entry.origin, recomputed)
         return loaded, recomputed
-    saves = not store.is_known(key) and store.reserve(key, length, start, origin, owner)
+    saves = not store.is_known(key) and store.reserve(
+        key, length, start, origin, owner_id
+    )
     chunk = PlannedChunk(key, start, length, saves=saves, origin=origin)
     return chunk, [whole]

@@ -88,13 +88,18 @@ class ChunkScheduler:
     # -- planning --------------------------------------------------------------
 
     def plan(
-        self, request: Request, lengths: list[int], recompute: Recompute | None = None
+        self,
+        request: Request,
+        lengths: list[int],
+        recompute: Recompute | None = None,
+        exact: bool = False,
     ) -> ChunkPlan | None:
         """``request``'s plan (pins its loads, reserves what it stores), or
         None when it neither loads nor stores a chunk (it then runs as an
-        ordinary request, which it is)."""
+        ordinary request, which it is). ``exact``: it loads only chunks
+        stored after the same tokens (:mod:`.placement`)."""
         settings = self.recompute if recompute is None else recompute
-        plan = place_chunks(self.store, request, lengths, settings)
+        plan = place_chunks(self.store, request, lengths, settings, exact)
         plan.one_pass = self.arming.allows(request)
         plan.count(self.store.stats)
         if not plan.loaded_keys and not plan.unsaved:

@@ -7,7 +7,7 @@ scored (the core's holds, :mod:`vllm_kvreuse.core.holds`, for the reason
 :data:`REASON`), then makes the prompt of the documents kept
 (:meth:`.ballot.Ballot.kept`) the request's prompt. Nothing here touches KV:
 paths and the chosen prompt are ordinary prompts, cached and found by
-vLLM's prefix cache.
+vLLM's prefix cache (and, for paths, the chunk store: below).
 
 Ownership: :attr:`Voting.ballots` (the only one changing them) holds each
 waiting request and its scoring requests' ids; a request leaves it when
@@ -15,6 +15,12 @@ decided, when it finishes, or when a scoring request ends without a score
 (it then runs jointly: :meth:`Voting.on_output`, or
 :meth:`Voting.on_scoring_finish` for one the engine finished itself,
 returns it to the feature).
+
+A path's prefix (``head + document``) is found in vLLM's prefix cache while
+it holds it; over a corpus it soon does not, so each scoring request is
+also planned on the chunk store, *exact* (``plan_path``): a document stored
+with the head as its only context is exactly that prefix and is loaded;
+one stored elsewhere is computed; a new one is stored as computed here.
 """
 
 from __future__ import annotations
@@ -48,12 +54,19 @@ class Voting:
     """Chunked requests waiting for their paths' scores."""
 
     def __init__(
-        self, core: Core, owner: Spawner, on_decided: Callable[[str, int], None]
+        self,
+        core: Core,
+        owner: Spawner,
+        on_decided: Callable[[str, int], None],
+        plan_path: Callable[[Request, list[int]], None],
     ) -> None:
-        """``on_decided(request_id, kept)`` hears each decision."""
+        """``on_decided(request_id, kept)`` hears each decision;
+        ``plan_path(scoring, lengths)`` plans a scoring request's prefix
+        chunks (``head + document``) before it is spawned."""
         self.core = core
         self._owner = owner
         self._on_decided = on_decided
+        self._plan_path = plan_path
         self.ballots = Ballots()
         self._counter = itertools.count()
         self.num_decided = 0
@@ -83,6 +96,7 @@ class Voting:
             scoring_request = derived_request(
                 request, scoring_id, path.tokens, params, hashes
             )
+            self._plan_path(scoring_request, path.lengths[: len(layout.head) + 1])
             self.core.internal.spawn(scoring_request, self._owner)
 
     def on_output(self, output: EngineCoreOutput) -> Request | None:
