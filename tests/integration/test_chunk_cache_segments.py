@@ -211,7 +211,11 @@ def test_a_warm_request_reaches_its_first_token_in_one_step(
             again = generate(llm, warm)  # a plain prefix hit
             assert again.kv_transfer_params[PREFILL_STEPS] == 1
             assert again.outputs[0].token_ids == out.outputs[0].token_ids
-            answers.append(out.outputs[0].token_ids)
+            answers.append(out.outputs[0])
             stats = index_of(llm).stats
             assert stats.prefilled == 4
-    assert answers[0] == answers[1]
+    one_step, by_span = answers
+    assert one_step.token_ids == by_span.token_ids
+    for step, span in zip(one_step.logprobs, by_span.logprobs, strict=True):
+        for token, entry in step.items():
+            assert abs(entry.logprob - span[token].logprob) < 1e-3
