@@ -47,9 +47,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.conftest import BLOCK_SIZE
 from vllm_kvreuse.beam import result as beam_result
-from vllm_kvreuse.chunk_cache.engine.plan import ChunkWorkerReport
 from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
 from vllm_kvreuse.chunk_cache.engine_args import CHUNK_CONNECTOR, CHUNK_CONNECTOR_MODULE
+from vllm_kvreuse.chunk_cache.messages import ChunkWorkerReport
 from vllm_kvreuse.config import ADDITIONAL_CONFIG_KEY
 from vllm_kvreuse.core.accounting import check_block_accounting
 from vllm_kvreuse.testing.fake_worker import model_output as made_up_output
@@ -246,6 +246,7 @@ class Driver:
         self.log: list[str] = []  # the actions, for failure messages
         self.seen: Counter[str] = Counter()  # what happened, for statistics
         self._rows: set[str] = set()  # row requests of the last schedule
+        self.last_scheduled: dict[str, int] = {}  # the last schedule's tokens
         # The workers' chunk bytes: key -> (stored start, origin), as the
         # step's store decisions and saves leave them; ``broken``: chunks
         # whose bytes a tier lost (reported with the next step).
@@ -374,6 +375,7 @@ class Driver:
         """Records a schedule and checks liveness."""
         self.num_steps += 1
         self.scheduled = list(output.num_scheduled_tokens)
+        self.last_scheduled = dict(output.num_scheduled_tokens)
         _assert_rows_end(self._rows, output)
         self._rows = {r for r in self.scheduled if ROW in r}
         self.seen["one-step prefills"] += len({r.partition(ROW)[0] for r in self._rows})

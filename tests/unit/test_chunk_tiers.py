@@ -157,7 +157,7 @@ def worker(tmp_path: Path, shared: SharedStore | None = None, **kwargs) -> Local
 
 
 def test_a_worker_moves_chunks_down_and_up_bit_for_bit(tmp_path) -> None:
-    from vllm_kvreuse.chunk_cache.engine.index import StoreOp
+    from vllm_kvreuse.chunk_cache.messages import StoreOp
 
     tiers = worker(tmp_path)
     tensor = torch.randn(2, 2, 8, 1, 32).to(torch.bfloat16)
@@ -183,7 +183,7 @@ def test_a_worker_moves_chunks_down_and_up_bit_for_bit(tmp_path) -> None:
 
 
 def test_a_damaged_or_unwritable_disk_loses_the_chunk_not_the_worker(tmp_path) -> None:
-    from vllm_kvreuse.chunk_cache.engine.index import StoreOp
+    from vllm_kvreuse.chunk_cache.messages import StoreOp
 
     tiers = worker(tmp_path)
     tiers.put(b"a", torch.ones(1, 2, 8, 1, 32), META)
@@ -229,7 +229,7 @@ def test_the_shared_store_gives_back_what_a_server_wrote(valkey, tmp_path) -> No
 
 
 def test_a_shared_store_that_dies_loses_chunks_not_requests(valkey, tmp_path) -> None:
-    from vllm_kvreuse.chunk_cache.engine.index import StoreOp
+    from vllm_kvreuse.chunk_cache.messages import StoreOp
 
     store = SharedStore(valkey.url, "fp", rank=0, timeout=0.5)
     tiers = worker(tmp_path, store)
@@ -356,7 +356,7 @@ def test_a_restart_removes_what_a_crash_left_behind(tmp_path) -> None:
 def test_a_full_write_queue_drops_and_counts_never_grows(tmp_path) -> None:
     """A slow disk or store: writes beyond the queue's bytes are dropped
     (a spill's chunk is lost, a publish is skipped), and counted."""
-    from vllm_kvreuse.chunk_cache.engine.index import StoreOp
+    from vllm_kvreuse.chunk_cache.messages import StoreOp
 
     tiers = worker(tmp_path, queue_bytes=0)
     tiers.put(b"a", torch.ones(1, 2, 8, 1, 32), META)

@@ -69,7 +69,6 @@ EXERCISED = (
     "chunk exact_hits",  # a chunk loaded where it was computed
     "chunk loads failed",  # bytes a tier lost, or another chunk's since
     "chunks stored again after a loss",  # a lost chunk heals
-    "one-step prefills",  # a segmented prefill's spans as rows of one step
     "upstream preemptions",
     "copy-on-write forks",  # beam members and children inheriting blocks
     "beam STOP beams",
@@ -142,6 +141,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 async_scheduling=async_scheduling,
                 chunk_cache_device_fraction=store,
                 chunk_cache_cpu_gib=cpu_store,
+                # Heads short enough to leave loads between the spans of
+                # these short documents: prefills of several rows.
+                chunk_recompute_head=8,
             )
         )
 

@@ -20,6 +20,9 @@ Shared by them, at the top:
   ``MultiConnector`` beside a user's;
 - ``params.py``: what a chunked request carries in ``extra_args`` (written
   by the frontend, read by the feature);
+- ``messages.py``: what the engine core's side sends the workers each step
+  (store decisions, loads, saves) and what they report back; the two sides
+  import it and nothing of each other;
 - ``connector.py``: the thin KV-connector facade vLLM calls (scheduler and
   workers); its module path is the one users' kv-transfer configs name;
 - ``feature.py``: the hook-layer feature in the engine core: chunked

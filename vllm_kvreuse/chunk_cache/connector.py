@@ -40,9 +40,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
 
-from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta, ChunkWorkerReport
 from vllm_kvreuse.chunk_cache.engine.planner import ChunkScheduler
 from vllm_kvreuse.chunk_cache.engine.stats import ChunkCachePromMetrics, ChunkCacheStats
+from vllm_kvreuse.chunk_cache.messages import ChunkMeta, ChunkWorkerReport
 from vllm_kvreuse.chunk_cache.worker.chunks import ChunkWorker
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ hook-layer feature, :mod:`vllm_kvreuse.chunk_cache.feature`).
 - ``keys.py``: chunks' content keys, stored chunks' origins, block salts;
 - ``recompute.py``: which chunk tokens a request recomputes (heads, chunks
   chosen by the question, a tail), and its ``chunk_recompute`` field;
-- ``plan.py``: the plan types the scheduler sends the workers;
+- ``plan.py``: a chunked request's plan (its chunks, spans, pins);
 - ``said.py``: what a chunked request's response says
   (``kv_transfer_params``), its prefill steps counted;
 - ``stats.py``: chunk-store statistics on vLLM's KV-connector stats path;

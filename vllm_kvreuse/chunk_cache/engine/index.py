@@ -37,13 +37,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
 
 from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey, Origin
 from vllm_kvreuse.chunk_cache.engine.stats import StoreStats
+from vllm_kvreuse.chunk_cache.messages import StoreOp, Tier
 from vllm_kvreuse.chunk_cache.tiers.codec import Meta
 
-Tier = Literal["device", "cpu", "disk", "remote"]
 LOCAL_TIERS: tuple[Tier, ...] = ("device", "cpu", "disk")
 BELOW: dict[Tier, Tier] = {"device": "cpu", "cpu": "disk"}
 """Where a chunk goes when its tier needs room (else it is evicted)."""
@@ -73,29 +72,6 @@ class Entry:
     @property
     def meta(self) -> Meta:
         return Meta(self.num_tokens, self.start, self.origin)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreOp:
-    """A decision for the workers, applied in order before a step's loads:
-
-    - ``move``: the chunk goes from tier ``source`` to ``target`` (down a
-      tier, or up to the device from any; from disk or the shared store
-      that is a read);
-    - ``evict``: the chunk leaves the local tiers;
-    - ``publish``: the chunk is written to the shared store, in the
-      background.
-
-    ``meta`` names the chunk the decision is about (its length, the
-    position it was computed at, its origin): a worker acts only on bytes
-    that are that chunk.
-    """
-
-    kind: Literal["move", "evict", "publish"]
-    key: ChunkKey
-    source: Tier | None = None
-    target: Tier | None = None
-    meta: Meta | None = None
 
 
 @dataclass(slots=True)

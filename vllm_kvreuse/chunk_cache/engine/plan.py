@@ -1,7 +1,7 @@
-"""The chunk cache's plan types: what flows from the scheduler to the workers.
+"""The chunk cache's plan types: a chunked request's chunks and spans.
 
-Nothing here holds state; :mod:`.planner` builds these and
-:mod:`vllm_kvreuse.chunk_cache.worker.chunks` carries them out.
+Nothing here holds state; :mod:`.planner` builds these, and turns them into
+the messages the workers carry out (:mod:`vllm_kvreuse.chunk_cache.messages`).
 """
 
 from __future__ import annotations
@@ -9,14 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
-
-from vllm_kvreuse.chunk_cache.engine.index import StoreOp
 from vllm_kvreuse.chunk_cache.engine.keys import ChunkKey
 from vllm_kvreuse.chunk_cache.engine.recompute import Span
+from vllm_kvreuse.chunk_cache.messages import Piece
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,21 +40,6 @@ class PlannedChunk:
     @property
     def loads(self) -> bool:
         return self.stored_start is not None
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Tokens of one stored chunk to load: the chunk is named by its key,
-    the position it was computed at and its origin, and a worker whose bytes
-    of ``key`` are another chunk's (a stale plan) fails the load instead."""
-
-    key: ChunkKey
-    src_start: int  # first token within the stored chunk
-    dst_start: int  # its position in the request
-    count: int
-    delta: int  # actual minus stored position
-    stored_start: int = 0
-    origin: bytes = b""
 
 
 @dataclass(slots=True)
@@ -167,48 +147,3 @@ class ChunkPlan:
             max(0, min(stop, limit) - max(start, begin))
             for start, stop in self.load_regions()
         )
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    request_id: str
-    block_ids: list[int]
-    pieces: list[Piece]
-
-
-@dataclass(frozen=True, slots=True)
-class SaveSpec:
-    key: ChunkKey
-    block_ids: list[int]
-    start: int
-    length: int
-    origin: bytes = b""
-
-
-@dataclass(slots=True)
-class ChunkMeta(KVConnectorMetadata):
-    """One step's work for the workers, applied in this order: store
-    decisions, loads (before the forward pass), saves (after it)."""
-
-    ops: list[StoreOp] = field(default_factory=list)
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.ops or self.loads or self.saves)
-
-
-@dataclass
-class ChunkWorkerReport(KVConnectorWorkerMetadata):
-    """What the workers tell the scheduler side after a step: the chunks a
-    tier could not give them (their loads failed; the scheduler forgets
-    them). vLLM merges every worker's report (:meth:`aggregate`)."""
-
-    lost: set[ChunkKey] = field(default_factory=set)
-    dropped: int = 0  # background writes not queued (any rank's most)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> ChunkWorkerReport:
-        if isinstance(other, ChunkWorkerReport):
-            self.lost |= other.lost
-            self.dropped = max(self.dropped, other.dropped)
-        return self

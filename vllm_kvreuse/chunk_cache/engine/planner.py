@@ -30,13 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import Request
 
 from vllm_kvreuse.chunk_cache.engine.placement import place_chunks
-from vllm_kvreuse.chunk_cache.engine.plan import (
-    ChunkMeta,
-    ChunkPlan,
-    ChunkWorkerReport,
-    LoadSpec,
-    SaveSpec,
-)
+from vllm_kvreuse.chunk_cache.engine.plan import ChunkPlan
 from vllm_kvreuse.chunk_cache.engine.recompute import (
     Recompute,
     Span,
@@ -45,6 +39,12 @@ from vllm_kvreuse.chunk_cache.engine.rows import Arming, Rows
 from vllm_kvreuse.chunk_cache.engine.said import Said
 from vllm_kvreuse.chunk_cache.engine.stats import Reports
 from vllm_kvreuse.chunk_cache.engine.tiers import build_store
+from vllm_kvreuse.chunk_cache.messages import (
+    ChunkMeta,
+    ChunkWorkerReport,
+    LoadSpec,
+    SaveSpec,
+)
 from vllm_kvreuse.core.spec import settings_of
 from vllm_kvreuse.core.upstream.scheduler import Upstream, block_ids
 

@@ -16,13 +16,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex
-from vllm_kvreuse.chunk_cache.engine.keys import (
-    key_hasher,
-    model_identity,
-    store_fingerprint,
-)
+from vllm_kvreuse.chunk_cache.engine.keys import key_hasher
 from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
+from vllm_kvreuse.chunk_cache.tiers.identity import model_identity, store_fingerprint
 from vllm_kvreuse.chunk_cache.tiers.shared import LOOKUP_TIMEOUT, SharedStore
 from vllm_kvreuse.chunk_cache.tiers.urls import redact_url
 

@@ -3,6 +3,8 @@ decides) and the workers (which move the bytes).
 
 - ``codec.py``: a stored chunk as one blob (header, checksum, raw bytes),
   its meta, the store's fingerprint;
+- ``identity.py``: what stored bytes belong to: the model identity in
+  every chunk key, the store's fingerprint, the store key;
 - ``disk.py``: the disk tier: files that outlive the server;
 - ``shared.py``: the shared store several servers use (Valkey or Redis);
 - ``urls.py``: the shared store's URL, checked at start and shown redacted.

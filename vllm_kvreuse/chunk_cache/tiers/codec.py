@@ -7,7 +7,7 @@ checks what it got against what it asked for before anything reaches a KV
 block, and any difference is a miss (:class:`CorruptChunk`), never a load:
 
 - ``fingerprint``: the store's fingerprint (model, weights, dtype, layout:
-  :func:`..engine.keys.store_fingerprint`);
+  :func:`.identity.store_fingerprint`);
 - ``key``: the chunk's content key, and ``rank``: the worker rank whose
   heads or layers the bytes hold;
 - ``tokens``, ``start`` and ``origin``: the chunk's :class:`Meta` (the

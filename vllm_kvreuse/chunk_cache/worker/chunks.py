@@ -3,7 +3,7 @@
 Each worker holds the stored chunks (``[layers, 2, n, H, D]`` tensors on the
 KV cache's device, in host memory, on disk or in the shared store:
 :mod:`.tiers`) and applies what the scheduler side decided for the step
-(:class:`~vllm_kvreuse.chunk_cache.engine.plan.ChunkMeta`), in order: store
+(:class:`~vllm_kvreuse.chunk_cache.messages.ChunkMeta`), in order: store
 decisions and loads before the forward pass, saves after it. Every KV tensor
 access goes through :mod:`vllm_kvreuse.device`.
 
@@ -19,14 +19,10 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_kvreuse import device
-from vllm_kvreuse.chunk_cache.engine.keys import (
-    ChunkKey,
-    store_fingerprint,
-    store_secret,
-)
-from vllm_kvreuse.chunk_cache.engine.plan import ChunkMeta, LoadSpec, SaveSpec
-from vllm_kvreuse.chunk_cache.tiers.codec import Layout, Meta
+from vllm_kvreuse.chunk_cache.messages import ChunkMeta, LoadSpec, SaveSpec
+from vllm_kvreuse.chunk_cache.tiers.codec import ChunkKey, Layout, Meta
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
+from vllm_kvreuse.chunk_cache.tiers.identity import store_fingerprint, store_secret
 from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
 from vllm_kvreuse.chunk_cache.worker.tiers import LocalTiers
 from vllm_kvreuse.core.spec import settings_of

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_kvreuse.chunk_cache.engine.index import StoreOp
+from vllm_kvreuse.chunk_cache.messages import StoreOp
 from vllm_kvreuse.chunk_cache.tiers.codec import ChunkKey, CorruptChunk, Meta
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
 from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
