@@ -30,6 +30,12 @@ A step is all or nothing: the rows must fit the step's token budget and
 free runner rows (the scheduler's seats; each row request takes one for the
 step). When they do not, the request runs the multi-step prefill from where
 it stands (one span a step), which needs no extra rows.
+
+Invariant: an armed request is scheduled for all its rows' tokens or none.
+The chunk cache's ``cap_new_tokens`` answers all or nothing; no other
+feature may cap a chunked request's prefill (beam search caps only its live
+members, which are never chunked), since a part of the total from the
+scheduler's position would compute tokens past regions not loaded.
 """
 
 from __future__ import annotations
