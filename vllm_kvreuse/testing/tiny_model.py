@@ -10,11 +10,14 @@ and the semantic-id tokens ``<s_a_0>`` … ``<s_c_255>``.
 
 Usage::
 
-    python -m vllm_kvreuse.testing.tiny_model OUT_DIR --preset tiny|small|7b
+    python -m vllm_kvreuse.testing.tiny_model OUT_DIR --preset tiny|small|1.7b|7b
 
 The ``7b`` preset (Qwen2.5-7B's shape, 7.6B parameters with this
-vocabulary, bfloat16, 15 GB) is for benchmarks on a GPU: it is initialised on
-the GPU when there is one (seconds) and written as safetensors.
+vocabulary, bfloat16, 15 GB) and the ``1.7b`` one (OneRec-1.7B's, that is
+Qwen3-1.7B's: hidden 2048, 28 layers, 16 query and 8 KV heads of 128,
+intermediate 6144; as a Qwen2 checkpoint, without Qwen3's q/k norms) are
+for benchmarks on a GPU: initialised on the GPU when there is one (seconds)
+and written as safetensors.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ PRESETS: dict[str, Preset] = {
     # Qwen2-0.5B-shaped (about 360M parameters with this vocabulary), for
     # benchmarks where a 2-layer model would make overheads look larger.
     "small": Preset(896, 24, 14, 2, 4864, 32768, "bfloat16"),
+    # OneRec-1.7B-shaped (Qwen3-1.7B: hidden 2048, 28 layers, 16 heads, 8 KV
+    # heads, intermediate 6144), with the SID tokens: FlashRec's scale.
+    "1.7b": Preset(2048, 28, 16, 8, 6144, 32768, "bfloat16", 0.02, 8192, True),
     # Qwen2.5-7B-shaped (hidden 3584, 28 layers, 28 heads, 4 KV heads): what
     # the chunk cache's RAG figures on a GPU are measured on.
     "7b": Preset(3584, 28, 28, 4, 18944, 32768, "bfloat16", 0.02, 32768, True),
