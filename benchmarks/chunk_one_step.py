@@ -5,7 +5,9 @@ is the engine's own work).
 Each round sends a new prompt of four new documents (first sight: stored),
 then the same documents in another order with a new question, three ways:
 the default recompute, ``chunk_recompute: "none"``, and the default prompt
-again (a plain prefix hit, the limit of reuse). Prints TTFT p50 of each
+again (a plain prefix hit, the limit of reuse); and, for scale, a plain
+prompt of that length computing as many tokens as the default did after a
+prefix hit (the compute no step count removes). Prints TTFT p50 of each
 and the engine steps each prefill took (``kvreuse_prefill_steps``).
 
 ``--seats 1`` leaves no runner row to lend, so the default runs one step a
@@ -52,19 +54,28 @@ def measure(args: argparse.Namespace) -> dict[str, tuple[float, int]]:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(300, 4000) for _ in range(n)]
 
+    computed: list[int] = []  # the default's computed tokens, each round
+
     def run(segments: list[list[int]], recompute: str | None) -> tuple[float, int]:
-        extra_args = seal({CHUNKS: [len(s) for s in segments[:-1]]})
+        """TTFT and prefill steps of a chunked prompt (one segment: plain)."""
+        extra_args = None
+        if len(segments) > 1:
+            extra_args = seal({CHUNKS: [len(s) for s in segments[:-1]]})
         if recompute is not None:
-            extra_args["chunk_recompute"] = recompute
+            extra_args = {**(extra_args or {}), "chunk_recompute": recompute}
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra_args)
         prompt = {"prompt_token_ids": [t for s in segments for t in s]}
         start = time.perf_counter()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
-        steps = (out.kv_transfer_params or {}).get("kvreuse_prefill_steps", 0)
-        return time.perf_counter() - start, steps
+        seconds = time.perf_counter() - start
+        if recompute is None and len(segments) > 1:
+            computed.append(len(prompt["prompt_token_ids"]) - out.num_cached_tokens)
+        steps = (out.kv_transfer_params or {}).get("kvreuse_prefill_steps", 1)
+        return seconds, steps
 
     system = tokens(40)
-    times: dict[str, list[float]] = {"default": [], "none": [], "prefix hit": []}
+    modes = ("default", "none", "prefix hit", "plain, as many tokens computed")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     steps: dict[str, int] = {}
     for round_ in range(args.rounds + 1):
         docs = [tokens(args.doc_tokens) for _ in range(4)]
@@ -76,6 +87,11 @@ def measure(args: argparse.Namespace) -> dict[str, tuple[float, int]]:
         timed["prefix hit"] = run(warm, None)
         llm.reset_prefix_cache()
         timed["none"] = run(warm, "none")
+        # The default's computed tokens alone: a plain prompt of the same
+        # length whose prefix cache holds all but as many tokens.
+        plain = tokens(sum(map(len, warm)))
+        run([plain[: len(plain) - computed[-1]]], None)
+        timed[modes[3]] = run([plain], None)
         for mode, (seconds, steps[mode]) in timed.items():
             if round_:  # the first round warms the engine up
                 times[mode].append(seconds)

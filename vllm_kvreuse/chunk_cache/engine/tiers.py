@@ -18,9 +18,8 @@ from vllm.logger import init_logger
 from vllm_kvreuse.chunk_cache.engine.index import ChunkIndex
 from vllm_kvreuse.chunk_cache.engine.keys import key_hasher
 from vllm_kvreuse.chunk_cache.engine.store import ChunkStore
-from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
-from vllm_kvreuse.chunk_cache.tiers.identity import model_identity, store_fingerprint
-from vllm_kvreuse.chunk_cache.tiers.shared import LOOKUP_TIMEOUT, SharedStore
+from vllm_kvreuse.chunk_cache.tiers.identity import model_identity
+from vllm_kvreuse.chunk_cache.tiers.opening import open_tiers
 from vllm_kvreuse.chunk_cache.tiers.urls import redact_url
 
 if TYPE_CHECKING:
@@ -71,22 +70,14 @@ def build_store(
         },
         bytes_per_token=bytes_per_token,
     )
-    fingerprint = store_fingerprint(vllm_config)
+    files, shared = open_tiers(vllm_config, settings, 0, ranks)
     reloaded = 0
-    if disk_path:
-        writer = vllm_config.parallel_config.data_parallel_rank
-        files = DiskFiles(disk_path, fingerprint, 0, ranks, writer)
-        for key, meta in files.scan():
-            if index.add(key, meta, "disk"):
-                reloaded += 1
-            else:  # beyond the tier's size now: its files would only grow it
-                files.delete_all_ranks(key)
+    for key, meta in files.scan() if files is not None else ():
+        if index.add(key, meta, "disk"):
+            reloaded += 1
+        else:  # beyond the tier's size now: its files would only grow it
+            files.delete_all_ranks(key)
     url = settings.chunk_cache_remote_url
-    shared = (
-        SharedStore(url, fingerprint, rank=0, ranks=ranks, timeout=LOOKUP_TIMEOUT)
-        if url
-        else None
-    )
     logger.info("chunk cache: %s", describe(index, disk_path, reloaded, url, share))
     return ChunkStore(
         index,

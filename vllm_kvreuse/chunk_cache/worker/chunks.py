@@ -21,9 +21,7 @@ from vllm.logger import init_logger
 from vllm_kvreuse import device
 from vllm_kvreuse.chunk_cache.messages import ChunkMeta, LoadSpec, SaveSpec
 from vllm_kvreuse.chunk_cache.tiers.codec import ChunkKey, Layout, Meta
-from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
-from vllm_kvreuse.chunk_cache.tiers.identity import store_fingerprint, store_secret
-from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
+from vllm_kvreuse.chunk_cache.tiers.opening import open_tiers
 from vllm_kvreuse.chunk_cache.worker.tiers import LocalTiers
 from vllm_kvreuse.core.spec import settings_of
 
@@ -134,22 +132,9 @@ def worker_tiers(vllm_config: Any, ops: device.DeviceOps) -> LocalTiers:
     from disk or the shared store must be of this rank's KV layout."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    settings = settings_of(vllm_config)
-    store = store_fingerprint(vllm_config)
     tp, pp = get_tp_group(), get_pp_group()
     rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
     ranks = pp.world_size * tp.world_size
-    layout = Layout(*ops.chunk_layout)
-    secret = store_secret(settings)
-    disk = shared = None
-    if settings.chunk_cache_disk_path:
-        writer = vllm_config.parallel_config.data_parallel_rank
-        disk = DiskFiles(
-            settings.chunk_cache_disk_path, store, rank, ranks, writer, secret, layout
-        )
-    if settings.chunk_cache_remote_url:
-        shared = SharedStore(
-            settings.chunk_cache_remote_url, store, rank, ranks,
-            secret=secret, layout=layout,
-        )  # fmt: skip
+    settings, layout = settings_of(vllm_config), Layout(*ops.chunk_layout)
+    disk, shared = open_tiers(vllm_config, settings, rank, ranks, layout)
     return LocalTiers(ops.device, disk, shared)
