@@ -54,7 +54,7 @@ def measure(args: argparse.Namespace) -> dict[str, tuple[float, int]]:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(300, 4000) for _ in range(n)]
 
-    computed: list[int] = []  # the default's computed tokens, each round
+    computed: list[int] = []  # each chunked request's computed tokens
 
     def run(segments: list[list[int]], recompute: str | None) -> tuple[float, int]:
         """TTFT and prefill steps of a chunked prompt (one segment: plain)."""
@@ -84,13 +84,14 @@ def measure(args: argparse.Namespace) -> dict[str, tuple[float, int]]:
         timed = {}
         llm.reset_prefix_cache()  # the chunks stay stored
         timed["default"] = run(warm, None)
+        recomputed = computed[-1]  # the default's computed tokens
         timed["prefix hit"] = run(warm, None)
         llm.reset_prefix_cache()
         timed["none"] = run(warm, "none")
         # The default's computed tokens alone: a plain prompt of the same
         # length whose prefix cache holds all but as many tokens.
         plain = tokens(sum(map(len, warm)))
-        run([plain[: len(plain) - computed[-1]]], None)
+        run([plain[: len(plain) - recomputed]], None)
         timed[modes[3]] = run([plain], None)
         for mode, (seconds, steps[mode]) in timed.items():
             if round_:  # the first round warms the engine up
