@@ -282,7 +282,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ttft-doc-tokens", type=int, default=1000)
     parser.add_argument("--warm", type=int, default=3, help="timed warm prompts")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--kv-cache-gib", default="4")
     parser.add_argument("--plot", help="write the trade-off plot (SVG) here")
     parser.add_argument(
         "--results", help="JSON file: modes found there are not run again; "
@@ -375,7 +374,8 @@ def main() -> None:
             Server(
                 args.model, *common, *extra,
                 log_path=logs / f"{server_name}.log", settings=settings,
-                env={"VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib},
+                # CPU: 4 GiB unless --kv-cache-gib (ServerSettings) says.
+                env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib or 4:g}"},
             ) as server,
             httpx.Client(base_url=server.url, timeout=1800) as client,
         ):  # fmt: skip
