@@ -178,6 +178,7 @@ class KVReuseLayer(Scheduler):
             output = super().schedule(*args, **kwargs)
         finally:
             core.holds.put_back()
+            core.upstream.extra_rows.return_tokens()
         core.resends.deliver(output)
         self._each("after_schedule", output)
         if self._under_pressure(output):
@@ -189,7 +190,9 @@ class KVReuseLayer(Scheduler):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         self._each("on_model_output", scheduler_output, model_runner_output)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        # Extra rows (beam members stepped as one) are the features' to apply.
+        walked = self.kvreuse.upstream.extra_rows.hidden(scheduler_output)
+        outputs = super().update_from_output(walked, model_runner_output)
         core = self.kvreuse
         core.internal.route(outputs)
         self._each("filter_outputs", outputs)

@@ -35,6 +35,8 @@ REQUEST_SEAM = "vllm_kvreuse.core.upstream.requests"
 FRONTEND_SEAM = "vllm_kvreuse.core.upstream.frontend"
 """The seam's module for the API server's and engine client's state."""
 WORKER_SEAM = "vllm_kvreuse.core.upstream.worker"
+EXTRA_ROWS_SEAM = "vllm_kvreuse.core.upstream.extra_rows"
+"""The seam's module for rows a step runs outside upstream's loop."""
 """The seam's module for the workers' state."""
 
 
@@ -276,6 +278,18 @@ _OUTPUT = (
     ),
 )
 
+_ROWS_WHY = "rows a step adds outside upstream's loop (beam groups stepped as one): "
+_EXTRA_ROWS = (
+    _attr(f"{_SCHED}.max_num_scheduled_tokens", _ROWS_WHY + "their tokens, borrowed",
+          EXTRA_ROWS_SEAM),
+    _attr(f"{_SCHED}.prev_step_scheduled_req_ids", _ROWS_WHY + "scheduled (V1)",
+          EXTRA_ROWS_SEAM),
+    _attr(f"{_SCHED}.defer_block_free", _ROWS_WHY + "fenced", EXTRA_ROWS_SEAM),
+    _attr(f"{_SCHED}.sched_step_seq", _ROWS_WHY + "the fence", EXTRA_ROWS_SEAM),
+    _attr(f"{_REQ}.num_in_flight_tokens", _ROWS_WHY + "in flight", REQUEST_SEAM),
+    _attr(f"{_REQ}.last_sched_seq", _ROWS_WHY + "fenced", REQUEST_SEAM),
+)  # fmt: skip
+
 _SERVING = "vllm.entrypoints.serve.engine.serving:BaseServing"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 
@@ -318,6 +332,7 @@ UPSTREAM_STATE: tuple[UpstreamState, ...] = (
     *_KV,
     *_REQUESTS,
     *_OUTPUT,
+    *_EXTRA_ROWS,
     *_FRONTEND,
 )
 """Every private (or seam-owned) upstream attribute the plugin touches."""

@@ -7,8 +7,11 @@
 - ``group.py``: a group's state, a beam's request;
 - ``live.py``: live beams, one engine request per beam for the whole search
   (the live step strategy);
+- ``as_one.py``: live groups stepped as one: members out of upstream's
+  loop, each step added whole as extra rows (a group costs the host one
+  request);
 - ``sit_out.py``: which live members sit out a schedule, so that a group
-  steps whole;
+  steps whole (groups stepped member by member);
 - ``fork.py``: one new request per beam per step, ranked on the host (the
   fork step strategy);
 - ``gate.py``: a step is admitted whole (members of one that does not fit

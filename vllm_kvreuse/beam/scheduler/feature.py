@@ -28,7 +28,9 @@ aborted and the workers forget its beams.
 Who owns what: the group table (:mod:`.groups`) every group's membership
 and lifecycle, with the one :meth:`~.groups.GroupTable.drop`;
 :class:`~.live.LiveSteps` the live-step state between hooks (members held
-out of a schedule, samples to take back); :class:`~.gate.Gate` decides the
+out of a schedule, samples to take back); :class:`~.as_one.OneRequestSteps`
+the groups stepped as one (members out of upstream's loop, their steps
+added whole); :class:`~.gate.Gate` decides the
 members held for a schedule (the core's holds move them,
 :mod:`vllm_kvreuse.core.holds`); each group (:mod:`.group`) its own step
 state. A
@@ -58,6 +60,7 @@ from vllm_kvreuse.beam.plan import (
 )
 from vllm_kvreuse.beam.policy import BeamConfig, best
 from vllm_kvreuse.beam.scheduler import sit_out
+from vllm_kvreuse.beam.scheduler.as_one import OneRequestSteps
 from vllm_kvreuse.beam.scheduler.fork import ForkSteps
 from vllm_kvreuse.beam.scheduler.gate import Gate
 from vllm_kvreuse.beam.scheduler.group import BeamGroup, Phase
@@ -65,6 +68,7 @@ from vllm_kvreuse.beam.scheduler.groups import OWNER, GroupTable
 from vllm_kvreuse.beam.scheduler.live import LiveSteps
 from vllm_kvreuse.beam.scheduler.policies import policy_for
 from vllm_kvreuse.core.feature import Feature
+from vllm_kvreuse.core.upstream.extra_rows import extra_rows
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -86,6 +90,7 @@ class EngineBeamSearch(Feature):
         self.groups = GroupTable(core, self)
         self.live_steps = LiveSteps(core, self.groups)
         self.fork_steps = ForkSteps(self.groups)
+        self.as_one = OneRequestSteps(core, self.groups)
         self.gate = Gate(core)
         # The SID catalog (--sid-catalog), on CPU: the scheduler walks it.
         self.catalog = engine_catalog(core.scheduler.vllm_config, "cpu")
@@ -119,6 +124,9 @@ class EngineBeamSearch(Feature):
         if not is_root and request.status != RequestStatus.FINISHED_ABORTED:
             self._emit(group, FinishReason.ERROR, None)
 
+    def on_preempt(self, request: Request) -> None:
+        self.as_one.leave(request)
+
     def on_abort(self, request_ids: set[str]) -> None:
         """A client abort of a root whose first step is over ends its group."""
         for group in self.groups.roots(request_ids):
@@ -138,7 +146,8 @@ class EngineBeamSearch(Feature):
     def before_schedule(self) -> None:
         if self.groups:
             self.gate.hold(self.groups)
-            self.live_steps.hold(self.groups.live())
+            self.as_one.hold(self.groups)
+            self.live_steps.hold(g for g in self.groups.live() if not g.as_one)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         self.gate.release()
@@ -146,7 +155,13 @@ class EngineBeamSearch(Feature):
         ended = self.groups.take_ended()
         steps = [GroupStep(root_id, "end", []) for root_id in ended]
         if self.groups:
-            steps += self.live_steps.plan(self.groups, output)
+            self.as_one.add_rows(output)
+            planned = self.live_steps.plan(self.groups, output)
+            for step in planned:
+                group = self.groups.by_root(step.group_id)
+                if step.kind == "start" and group is not None:
+                    self.as_one.take(group)
+            steps += planned
         if steps:
             put_steps(output, steps)
 
@@ -156,6 +171,9 @@ class EngineBeamSearch(Feature):
         """The workers' results of the step's groups
         (:mod:`~vllm_kvreuse.beam.plan`)."""
         self.live_steps.outputs_arrive(scheduler_output, self.groups)
+        for request_id in extra_rows(scheduler_output):  # no outputs of their own
+            if (group := self.groups.get(request_id)) is not None:
+                group.num_member_computed_tokens += 1
         results = results_of(model_output)
         for step in steps_of(scheduler_output):
             group = self.groups.by_root(step.group_id)

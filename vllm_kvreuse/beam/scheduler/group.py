@@ -72,6 +72,13 @@ class BeamGroup:
     phase: Phase = Phase.ROOT
     members: list[str] = field(default_factory=list)
     started: bool = False
+    # Stepped as one (:mod:`.as_one`): members out of upstream's loop, the
+    # group's step added whole; ``new_blocks``: reserved block ids per
+    # member, sent with its next step;
+    # ``tables``: the members' block tables, fixed while stepped as one.
+    as_one: bool = False
+    new_blocks: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    tables: list[tuple[list[int], ...]] | None = None
     result: GroupResult | None = None
     snapshots: dict[int, tuple[int, list[int] | None]] = field(default_factory=dict)
     rows: dict[str, Row] = field(default_factory=dict)

@@ -236,7 +236,7 @@ class LiveSteps:
         size = upstream.block_size
         shared = group.prompt_len // size
         end = -(-requests[group.members[0]].num_computed_tokens // size)
-        tables = [upstream.block_ids_of(rid) for rid in group.members]
+        tables = group.tables or [upstream.block_ids_of(r) for r in group.members]
         blocks = [[t[g][shared:end] for t in tables] for g in range(len(tables[0]))]
         lengths = {len(ids) for per_group in blocks for ids in per_group}
         assert lengths == {end - shared}, (

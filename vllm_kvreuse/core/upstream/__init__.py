@@ -10,6 +10,8 @@ of these modules; the services and the features decide, these apply:
   it, and a request's block ids for a connector;
 - :mod:`.requests`: one request's private state in the scheduler (its token
   lists, hasher and block hashes, its sampling params' derived stop sets);
+- :mod:`.extra_rows`: rows a step runs that upstream's loop never walks
+  (added after ``schedule()``, hidden from ``update_from_output``);
 - :mod:`.frontend`: the API server's and the engine client's (a request's
   LoRA adapter, the number of API-server processes);
 - :mod:`.worker`: the workers' (the KV packing vLLM's CPU attention chose).

@@ -75,6 +75,18 @@ def settle_rows(request: Request, num_row_tokens: int) -> None:
         request.num_stale_output_tokens -= stale
 
 
+def run_one(request: Request, fence: int | None) -> None:
+    """The request's next position is scheduled outside upstream's loop
+    (:mod:`.extra_rows`): advanced and counted in flight as upstream's
+    ``_update_after_schedule`` does for a decoding row; ``fence``: the
+    deferred-free step sequence, when upstream keeps one."""
+    request.num_computed_tokens += 1
+    request.num_in_flight_tokens += 1
+    request.is_prefill_chunk = False
+    if fence is not None:
+        request.last_sched_seq = fence
+
+
 def history(request: Request, start: int) -> list[int]:
     """A copy of the request's tokens from ``start`` on."""
     return request._all_token_ids[start:]

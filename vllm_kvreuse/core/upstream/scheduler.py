@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 from vllm_kvreuse.core.upstream import requests as request_state
+from vllm_kvreuse.core.upstream.extra_rows import ExtraRows
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class Upstream:
         )
         self.v2 = scheduler.use_v2_model_runner
         self._num_rows = 0  # row requests made (their ids are unique)
+        self.extra_rows = ExtraRows(scheduler)
 
     # -- the block pool ----------------------------------------------------------
 
@@ -100,6 +102,18 @@ class Upstream:
 
     def block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
         return block_ids(self._manager, request_id)
+
+    def reserve(
+        self, request: Request, num_tokens: int
+    ) -> tuple[list[int], ...] | None:
+        """Allocates the blocks of the request's next ``num_tokens``
+        positions now, kept out of the prefix cache (rows that change
+        content: :mod:`.extra_rows`); the new ids per KV-cache group, or
+        None if the pool cannot give them all."""
+        blocks = self._manager.allocate_slots(
+            request, num_tokens, delay_cache_blocks=True
+        )
+        return None if blocks is None else blocks.get_block_ids()
 
     # -- requests (:mod:`.requests`) -----------------------------------------------
 

@@ -1,0 +1,101 @@
+"""Live beam groups stepped as one (``beam/scheduler/as_one.py``) inside a
+real vLLM Scheduler: upstream's loop never walks the members, the beams stay
+the host rule's, and a group that cannot be reserved, or whose member is
+preempted, goes member by member with the same beams."""
+
+from __future__ import annotations
+
+from vllm.v1.request import RequestStatus
+
+from tests.unit.conftest import num_free_blocks
+from tests.unit.test_beam_scheduler import PROMPT, host_search, root
+from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.result import decode
+from vllm_kvreuse.core.upstream.extra_rows import extra_rows
+from vllm_kvreuse.testing.fake_worker import model_output as made_up_output
+
+
+def model_output(scheduler, output):
+    """As a runner: rows that end a prefill short of the request's tokens
+    (a preempted member recomputing) sample nothing."""
+    requests = scheduler.requests
+    sampling = {
+        rid
+        for rid in output.num_scheduled_tokens
+        if rid not in requests or not requests[rid].is_prefill_chunk
+    }
+    return made_up_output(scheduler, output, sampling, 10)
+
+
+def search(scheduler, width: int, max_tokens: int, preempt_at: int | None = None):
+    """Runs one group to its end; returns (beams, each step's extra rows, the
+    group's members, whether it was stepped as one when it ended)."""
+    feature = scheduler.feature("beam")
+    scheduler.add_request(root(width, max_tokens))
+    rows, outputs, members, as_one = [], [], [], False
+    for step in range(100):
+        if not scheduler.has_requests():
+            break
+        output = scheduler.schedule()
+        rows.append(extra_rows(output))
+        # Upstream's schedule() ran without every extra row's request.
+        assert extra_rows(output) <= set(scheduler.kvreuse.holds.last_out[1])
+        for group in feature.groups:
+            members, as_one = list(group.members), group.as_one
+        engine_outputs = scheduler.update_from_output(
+            output, model_output(scheduler, output)
+        )
+        outputs += [o for eco in engine_outputs.values() for o in eco.outputs]
+        for rid in rows[-1]:  # settled: nothing in flight between steps
+            request = scheduler.requests.get(rid)
+            assert request is None or request.num_in_flight_tokens == 0
+        if step == preempt_at:
+            preempted = scheduler.requests[members[1]]
+            scheduler.kvreuse.upstream.preempt([preempted])
+            assert preempted.status == RequestStatus.PREEMPTED
+    (final,) = outputs
+    beams = [(b.token_ids, b.cum_logprob) for b in decode(final.stop_reason).beams]
+    return beams, rows, members, as_one
+
+
+def expected(width: int, max_tokens: int):
+    config = BeamConfig(width=width, max_tokens=max_tokens, eos_token_id=2)
+    return host_search(PROMPT, config)
+
+
+def test_members_are_rows_upstream_never_walks(make_scheduler) -> None:
+    scheduler = make_scheduler()
+    free = num_free_blocks(scheduler)
+    beams, rows, members, as_one = search(scheduler, width=4, max_tokens=6)
+    assert beams == expected(4, 6)
+    assert as_one
+    assert scheduler.feature("beam").as_one.num_taken == 1
+    # Root prefill, the members' first step (upstream's), then four steps
+    # whose every member row is an extra row (then the members' ends).
+    assert [bool(r) for r in rows[:7]] == [False, False, True, True, True, True, False]
+    assert all(r == set(members) for r in rows[2:6])
+    assert num_free_blocks(scheduler) == free
+
+
+def test_a_pool_too_small_to_reserve_goes_member_by_member(make_scheduler) -> None:
+    """40 prompt tokens + 60: 1 shared block and 3 of each of 4 members' own,
+    the least the frontend admits (``check_fits_pool``); at the members'
+    first step the root's tail is still held, so 14 blocks (one null)
+    cannot reserve the rest at once."""
+    scheduler = make_scheduler(num_blocks=14)
+    beams, rows, _, _ = search(scheduler, width=4, max_tokens=60)
+    assert beams == expected(4, 60)
+    assert scheduler.feature("beam").as_one.num_taken == 0
+    assert not any(rows)
+
+
+def test_a_preempted_member_takes_its_group_back_to_upstreams_loop(
+    make_scheduler,
+) -> None:
+    scheduler = make_scheduler()
+    free = num_free_blocks(scheduler)
+    beams, rows, _, as_one = search(scheduler, width=4, max_tokens=8, preempt_at=3)
+    assert beams == expected(4, 8)
+    assert rows[3] and not any(rows[5:])  # stepped as one, then member by member
+    assert not as_one
+    assert num_free_blocks(scheduler) == free

@@ -1,0 +1,130 @@
+"""Extra rows: running requests a step runs that upstream's loop never walks.
+
+A feature that steps many requests as one (a beam group's members) keeps
+them out of upstream's ``schedule()`` (the core's holds take them out of
+the running queue, seats and all) and adds their rows to the output after
+it, as upstream schedules a decoding request: one token each, their
+computed counts advanced, in flight until the step's output comes. When
+it comes, upstream's ``update_from_output`` walks an output without them
+(:meth:`ExtraRows.hidden`): no per-request output, no stop check, no token
+appended; the feature applies the step itself. So the host's cost of an
+extra request is a few list appends a step, not upstream's per-request
+scheduling, bookkeeping and output.
+
+Invariants:
+- an extra row's request is running and in ``scheduler.requests``; its
+  blocks cover the position it computes (``Upstream.reserve`` allocated
+  them ahead; the new ids ride the next row);
+- the token budget the rows take is lowered before ``schedule()``
+  (:meth:`ExtraRows.borrow_tokens`) and restored right after it
+  (:meth:`ExtraRows.return_tokens`, from the hook layer's ``finally``);
+- an extra row counts in flight on its request exactly as upstream
+  counts a scheduled token (``num_in_flight_tokens``, the deferred-free
+  fence) and is settled when its output is hidden from upstream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvreuse.core.upstream import requests as request_state
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+ROWS_ATTR = "kvreuse_extra_rows"
+"""The scheduler output's extra request ids (set only here)."""
+
+
+class ExtraRows:
+    """The extra rows of one scheduler's steps."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._borrowed = 0
+        self.supported = scheduler.parallel_config.pipeline_parallel_size == 1
+        """Pipeline parallelism sends sampled tokens back with each row:
+        extra rows do not (the workers keep their own)."""
+
+    # -- around schedule() ---------------------------------------------------------
+
+    def token_budget(self) -> int:
+        """Tokens the next ``schedule()`` may schedule, less those borrowed."""
+        return self._scheduler.max_num_scheduled_tokens
+
+    def borrow_tokens(self, num: int) -> None:
+        """Lowers the token budget of the ``schedule()`` to come by ``num``:
+        the extra rows added after it take them."""
+        self._scheduler.max_num_scheduled_tokens -= num
+        self._borrowed += num
+
+    def return_tokens(self) -> None:
+        """Restores every borrowed token (right after ``schedule()``)."""
+        self._scheduler.max_num_scheduled_tokens += self._borrowed
+        self._borrowed = 0
+
+    # -- the step's output ---------------------------------------------------------
+
+    def add(
+        self,
+        output: SchedulerOutput,
+        requests: Sequence[Request],
+        new_blocks: dict[str, tuple[list[int], ...]],
+    ) -> None:
+        """Adds one row per request to ``output``, computing its next
+        position, with the block ids ``new_blocks`` names for it (taken);
+        each request is advanced past it and counted in flight."""
+        if not requests:
+            return
+        scheduler = self._scheduler
+        cached = output.scheduled_cached_reqs
+        v1 = not scheduler.use_v2_model_runner
+        previous = scheduler.prev_step_scheduled_req_ids
+        fence = scheduler.defer_block_free
+        if fence and output.total_num_scheduled_tokens == 0:
+            scheduler.sched_step_seq += 1  # upstream advances it for non-empty steps
+        ids = []
+        for request in requests:
+            rid = request.request_id
+            ids.append(rid)
+            if v1 and rid not in previous:  # as upstream: for a KV connector
+                cached.all_token_ids[rid] = list(request.all_token_ids)
+            cached.new_block_ids.append(new_blocks.pop(rid, None))
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.num_output_tokens.append(
+                request.num_output_tokens + request.num_output_placeholders
+            )
+            output.num_scheduled_tokens[rid] = 1
+            request_state.run_one(request, scheduler.sched_step_seq if fence else None)
+        cached.req_ids += ids
+        output.total_num_scheduled_tokens += len(ids)
+        # Cascade attention assumes every row shares those blocks.
+        output.num_common_prefix_blocks = [0] * len(output.num_common_prefix_blocks)
+        if v1:
+            previous.update(ids)
+        vars(output).setdefault(ROWS_ATTR, set()).update(ids)  # its own attribute
+
+    def hidden(self, output: SchedulerOutput) -> SchedulerOutput:
+        """``output`` as upstream's ``update_from_output`` walks it: without
+        its extra rows, whose requests are no longer in flight."""
+        rows: set[str] | None = getattr(output, ROWS_ATTR, None)
+        if not rows:
+            return output
+        requests = self._scheduler.requests
+        for rid in rows:
+            request = requests.get(rid)
+            if request is not None:
+                request_state.settle_rows(request, 1)
+        scheduled = {
+            rid: n for rid, n in output.num_scheduled_tokens.items() if rid not in rows
+        }
+        return dataclasses.replace(output, num_scheduled_tokens=scheduled)
+
+
+def extra_rows(output: Any) -> set[str]:
+    """The extra request ids of a scheduler output."""
+    return getattr(output, ROWS_ATTR, None) or set()
