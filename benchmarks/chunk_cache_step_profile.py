@@ -10,13 +10,13 @@ Phases:
   empty-metadata check: no per-layer call, nothing per request;
 - ``rag``: ``sys##doc##doc##question`` prompts whose chunks are all stored
   (a first round, not measured, fills them), 8 tokens out: a loading step
-  costs its loads (``load_chunk``, the device ops) plus bookkeeping.
+  costs its loads (``load_chunks``, the device ops) plus bookkeeping.
 
 Each phase prints a cProfile table (calls and cumulative microseconds per
 engine step, for the functions of interest; the profiler inflates Python
 calls, so read it for where and how often, not for totals) and, for
 ``rag``, an unprofiled split of the steps that loaded: wall time of those
-steps, of the worker's loads, and of ``load_chunk`` alone.
+steps, of the worker's loads, and of ``load_chunks`` alone.
 ``--mode plain`` runs the ``unused`` phase on plain vLLM for comparison.
 
     .venv/bin/python benchmarks/chunk_cache_step_profile.py [--mode cache|plain]
@@ -63,7 +63,9 @@ ROWS: dict[tuple[str, str], str] = {
     (CONNECTOR, "wait_for_layer_load"): "connector: wait_for_layer_load (per layer)",
     (CONNECTOR, "save_kv_layer"): "connector: save_kv_layer (per layer)",
     (CONNECTOR, "wait_for_save"): "connector: wait_for_save",
-    (WORKER, "_load"): "worker: _load (one request)",
+    (WORKER, "_pieces"): "worker: _pieces (one request's checks)",
+    ("device/base.py", "load_chunks"): "device ops: load_chunks (one step)",
+    ("device/triton_ops.py", "load_chunks"): "device ops: load_chunks (one step)",
     ("device/base.py", "load_chunk"): "device ops: load_chunk (one piece)",
     (WORKER, "_save"): "worker: _save (one chunk)",
     ("gpu_model_runner.py", "_model_forward"): "vLLM: model forward",
@@ -147,7 +149,7 @@ class Timed:
 
 def timed_loads(llm: Any, rounds: list[tuple[list[Any], list[Any]]]) -> None:
     """Unprofiled, one round at a time: wall time of the steps that loaded,
-    of the worker's loads, of the device ops (``load_chunk``) within them,
+    of the worker's loads, of the device ops (``load_chunks``) within them,
     and of the scheduler side's work for the round's requests (planning on
     arrival, step metadata); prints each round and the medians."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -159,12 +161,12 @@ def timed_loads(llm: Any, rounds: list[tuple[list[Any], list[Any]]]) -> None:
     samples: list[tuple[float, ...]] = []
     for prompts, params in rounds:
         timers = (
-            Timed(worker, "_load"),
-            Timed(worker.ops, "load_chunk"),
+            Timed(worker, "_pieces"),  # a request's checks
+            Timed(worker.ops, "load_chunks"),  # the step's pieces, once a step
             Timed(connector.scheduler_side, "plan"),
             Timed(connector, "build_connector_meta"),
         )
-        loads = timers[0]
+        checks, loads = timers[:2]
         loading_steps: list[float] = []
 
         def timed_step(loads: Timed = loads, steps: list[float] = loading_steps) -> Any:
@@ -181,18 +183,18 @@ def timed_loads(llm: Any, rounds: list[tuple[list[Any], list[Any]]]) -> None:
             core.step_fn = step
             for timer in timers:
                 timer.remove()
-        samples.append((sum(loading_steps), *(t.seconds for t in timers)))
+        worker_s = checks.seconds + loads.seconds
+        samples.append((sum(loading_steps), worker_s, *(t.seconds for t in timers[1:])))
         print(
-            f"round: {len(loading_steps)} loading step(s), {loads.calls} requests "
-            f"({timers[1].calls} pieces), ms: "
-            + ", ".join(f"{v * 1e3:.2f}" for v in samples[-1])
+            f"round: {len(loading_steps)} loading step(s), {checks.calls} "
+            "requests, ms: " + ", ".join(f"{v * 1e3:.2f}" for v in samples[-1])
         )
     columns = zip(*samples, strict=True)
     step_s, loads_s, ops_s, plan_s, meta_s = (statistics.median(c) for c in columns)
     print(
         f"\nUnprofiled, median of {len(samples)} rounds: the loading step(s) took "
         f"{step_s * 1e3:.2f} ms; worker loads {loads_s * 1e3:.2f} ms "
-        f"({loads_s / step_s:.0%} of the step), of which load_chunk "
+        f"({loads_s / step_s:.0%} of the step), of which load_chunks "
         f"{ops_s * 1e3:.2f} ms ({ops_s / loads_s:.0%} of the loads). Scheduler "
         f"side for the same requests: planning on arrival {plan_s * 1e3:.2f} ms, "
         f"build_connector_meta (all steps) {meta_s * 1e3:.2f} ms."

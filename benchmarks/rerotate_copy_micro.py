@@ -17,6 +17,12 @@ The request's blocks are drawn shuffled from a pool twice its size. "MB" is
 the chunk's payload (K + V, all layers), counted once; GB/s is that payload
 over the median time, and "% copy" the copy's time over the op's.
 
+A warm RAG request loads several chunks a step. ``--chunks N`` (default 4
+and 8) also times the same tokens stored as N chunks (each its own tensor,
+each moved by its own delta) loaded into the request: ``load xN`` is one
+``load_chunks`` call (one launch with the Triton ops; a loop with torch's),
+``loop xN`` one ``load_chunk`` per chunk, what the worker did before.
+
     python benchmarks/rerotate_copy_micro.py --device cuda --model llama-8b
     .venv/bin/python benchmarks/rerotate_copy_micro.py --device cpu
 """
@@ -24,6 +30,7 @@ over the median time, and "% copy" the copy's time over the op's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +38,7 @@ from collections.abc import Callable
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_kvreuse.device import DeviceOps, PagedKV, Rope
+from vllm_kvreuse.device import ChunkLoad, ChunkPiece, DeviceOps, PagedKV, Rope
 from vllm_kvreuse.device.layouts import content_packed_views, cpu_attn_views
 from vllm_kvreuse.device.torch_ops import TorchOps
 from vllm_kvreuse.testing.kv_caches import KVShape, allocate
@@ -130,15 +137,35 @@ def triton_variants(args) -> list[tuple[int, int]]:
     return [pair for pair in pairs if pair != shipped]
 
 
-def check_agreement(ops: dict[str, DeviceOps], table, stored, delta) -> None:
+def check_agreement(
+    ops: dict[str, DeviceOps], table, stored, delta, pieces: list[ChunkPiece]
+) -> None:
     """Every implementation saves what the torch reference saves after each
-    loads the chunk with a delta (same cache, loaded in turn)."""
-    saved = {}
+    loads the chunk with a delta, then ``pieces`` in one call (same cache,
+    loaded in turn)."""
+    tokens = stored.shape[2]
+    single, batched = {}, {}
     for name, impl in ops.items():
-        impl.load_chunk(table, 0, stored, 0, stored.shape[2], delta)
-        saved[name] = impl.save_chunk(table, 0, stored.shape[2])
-    for name, chunk in saved.items():
-        torch.testing.assert_close(chunk, saved["torch"], msg=f"{name} vs torch")
+        impl.load_chunk(table, 0, stored, 0, tokens, delta)
+        single[name] = impl.save_chunk(table, 0, tokens)
+        impl.load_chunks([ChunkLoad(table, pieces)])
+        batched[name] = impl.save_chunk(table, 0, tokens)
+    for name in ops:
+        close = torch.testing.assert_close
+        close(single[name], single["torch"], msg=f"{name} vs torch")
+        close(batched[name], batched["torch"], msg=f"{name} x{len(pieces)} vs torch")
+
+
+def request_chunks(stored: torch.Tensor, num_chunks: int, delta: int):
+    """``stored``'s tokens as ``num_chunks`` chunks of (nearly) equal length,
+    each its own tensor, each loaded where it stands in the request, moved
+    by its own delta (``delta``, ``delta - 1``, ...)."""
+    tokens = stored.shape[2]
+    bounds = [round(i * tokens / num_chunks) for i in range(num_chunks + 1)]
+    return [
+        ChunkPiece(stored[:, :, a:b].clone(), 0, a, b - a, delta - i)
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
 
 
 def run_model(args, model: str) -> list[dict[str, float | str]]:
@@ -161,8 +188,10 @@ def measure(args, shape: KVShape, rope: Rope, tokens: int) -> dict[str, float]:
     stored = torch.randn(chunk, generator=gen).to(args.device, shape.dtype)
     target = torch.empty_like(stored)
     ops = all_ops(args, layers, rope)
+    requests = {n: request_chunks(stored, n, args.delta) for n in args.chunks}
     if tokens == args.tokens[0]:
-        check_agreement(ops, table, stored, args.delta)
+        most = requests[max(args.chunks)] if requests else []
+        check_agreement(ops, table, stored, args.delta, most)
 
     def timed(fn: Callable[[], object]) -> float:
         return time_it(fn, args.device, args.warmup, args.repeats)
@@ -179,7 +208,24 @@ def measure(args, shape: KVShape, rope: Rope, tokens: int) -> dict[str, float]:
             result[f"{name} load unmoved"] = timed(
                 lambda impl=impl: impl.load_chunk(table, 0, stored, 0, tokens, 0)
             )
+        if name not in ("torch", "triton"):  # the shipped ops only
+            continue
+        for n, pieces in requests.items():  # the same tokens as n chunks
+            load = ChunkLoad(table, pieces)
+            result[f"{name} load x{n}"] = timed(
+                lambda impl=impl, load=load: impl.load_chunks([load])
+            )
+            result[f"{name} loop x{n}"] = timed(
+                lambda impl=impl, load=load: load_one_by_one(impl, load)
+            )
     return result
+
+
+def load_one_by_one(ops: DeviceOps, load: ChunkLoad) -> None:
+    """``load``'s pieces as the worker loaded them before ``load_chunks``."""
+    for piece in load.pieces:
+        ops.load_chunk(load.block_ids, piece.dst_start, piece.stored,
+                       piece.src_start, piece.count, piece.delta)  # fmt: skip
 
 
 def markdown(rows: list[dict[str, float | str]]) -> str:
@@ -228,6 +274,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--delta", type=int, default=1000, help="position shift")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[4, 8],
+                        help="also load the tokens as this many chunks, in "
+                        "one load_chunks call and one by one")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's)")  # fmt: skip
     parser.add_argument("--tiles", type=int, nargs="*", default=None,

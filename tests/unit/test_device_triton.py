@@ -15,7 +15,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_kvreuse.device import PagedKV, Rope
+from vllm_kvreuse.device import ChunkLoad, ChunkPiece, PagedKV, Rope
 from vllm_kvreuse.device.layouts import content_packed_views, cpu_attn_views
 from vllm_kvreuse.device.torch_ops import TorchOps
 from vllm_kvreuse.testing.kv_caches import KVShape, allocate
@@ -163,63 +163,74 @@ def test_a_chunk_past_the_block_table_is_refused_before_any_write() -> None:
     assert all(map(torch.equal, before, after)), "a refused load wrote to the cache"
 
 
-@pytest.mark.parametrize("save", [False, True], ids=["load", "save"])
-def test_kernel_compiles_to_16_byte_accesses_for_hopper(save: bool) -> None:
-    """Compiled offline for sm_90 (no GPU needed), at Llama-8B's KV shape, the
-    kernel moves the cache and the chunk with 16-byte vector instructions:
-    the bandwidth target needs them, and losing an alignment hint silently
-    turns them into 2-byte ones. Only the rotation's partner reads (L1 hits
-    of lines just read) stay scalar."""
+def compiled_accesses(name: str, constants: dict[str, int]) -> list[str]:
+    """The global loads and stores of kernel ``name`` compiled offline for
+    sm_90 (no GPU needed), with what the JIT infers from real arguments:
+    16-byte aligned pointers and strides that are multiples of 16 (what
+    varies per launch is not specialised)."""
     import re
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_kvreuse.device.triton_kernels import kernel_for
+    from vllm_kvreuse.device.triton_kernels import UNSPECIALISED, kernel_for
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("Triton was built without its NVIDIA backend")
-    kernel = kernel_for("cuda")
-    pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
-                "block_ids_ptr": "*i64", "cos_sin_ptr": "*fp32"}  # fmt: skip
-    constants = dict(NUM_HEADS=8, HEAD_SIZE=128, ROTARY_DIM=128, IS_NEOX=True,
-                     ROTATE=not save, SAVE=save, BLOCK_T=4, BLOCK_HD=1024, ALIGN=16,
-                     c_dim=1, k_dim=1, v_dim=1)  # fmt: skip
+    kernel = kernel_for("cuda", name)
     # A launch relies on the JIT's own reading of the constexpr annotations
     # (this signature names them itself): a kernel that had lost them
     # compiled here, ran in the interpreter, and failed on an H100.
     declared = {param.name for param in kernel.params if param.is_constexpr}
     assert declared == set(constants) - {"c_dim", "k_dim", "v_dim"}
+    pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
+                "block_ids_ptr": "*i64", "cos_sin_ptr": "*fp32",
+                "pieces_ptr": "*i64"}  # fmt: skip
     signature = {
-        name: pointers.get(name, "constexpr" if name in constants else "i32")
-        for name in kernel.arg_names
+        arg: pointers.get(arg, "constexpr" if arg in constants else "i32")
+        for arg in kernel.arg_names
     }
-    # What the JIT infers from real arguments: 16-byte aligned pointers and
-    # strides that are multiples of 16 (start and count are not specialised).
-    aligned = [n for n in kernel.arg_names if n not in constants and n != "count"]
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
-             if n != "start"}  # fmt: skip
+    aligned = set(kernel.arg_names) - set(constants) - set(UNSPECIALISED[name])
+    attrs = {(kernel.arg_names.index(arg),): [["tt.divisibility", 16]]
+             for arg in aligned}  # fmt: skip
     compiled = triton.compile(
         ASTSource(kernel, signature, constants, attrs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": TritonOps.NUM_WARPS, "enable_fp_fusion": False},
     )
-    ptx = compiled.asm["ptx"]
-    stores = re.findall(r"st\.global\.[\w.]+", ptx)
-    loads = re.findall(r"ld\.global\.[\w.]+", ptx)
+    return re.findall(r"(?:ld|st)\.global\.[\w.]+", compiled.asm["ptx"])
+
+
+@pytest.mark.parametrize("name", ["load", "save"])
+def test_kernel_compiles_to_16_byte_accesses_for_hopper(name: str) -> None:
+    """At Llama-8B's KV shape, the save and the rotating load (element-wise
+    rotation) move the cache and the chunk with 16-byte vector instructions:
+    the bandwidth target needs them, and losing an alignment hint silently
+    turns them into 2-byte ones. Only the rotation's partner reads (L1 hits
+    of lines just read) stay scalar; the load's 8-byte reads are its piece
+    table, block ids and layer offsets."""
+    constants = dict(NUM_HEADS=8, HEAD_SIZE=128, BLOCK_T=4, BLOCK_HD=1024,
+                     ALIGN=16, k_dim=1, v_dim=1)  # fmt: skip
+    if name == "save":
+        constants["c_dim"] = 1
+    else:
+        constants |= dict(ROTARY_DIM=128, IS_NEOX=True, ROTATE=True,
+                          MAX_PIECES=64, CHUNK_ALIGN=16)  # fmt: skip
+    accesses = compiled_accesses(name, constants)
+    stores = [a for a in accesses if a.startswith("st.")]
     assert stores and set(stores) == {"st.global.v4.b32"}, sorted(set(stores))
-    vector_loads = loads.count("ld.global.v4.b32")
+    vector_loads = accesses.count("ld.global.v4.b32")
     assert vector_loads >= 8, f"K and V read in {vector_loads} vector loads"
-    scalar_loads = loads.count("ld.global.b16")
-    assert scalar_loads == (0 if save else 32), "only the partner reads are scalar"
+    scalar_loads = accesses.count("ld.global.b16")
+    assert scalar_loads == (0 if name == "save" else 32), "only partner reads"
 
 
 def compiled_variants() -> int:
-    """How many variants of the CUDA kernel Triton has compiled so far."""
-    from vllm_kvreuse.device.triton_kernels import kernel_for
+    """How many variants of the CUDA kernels Triton has compiled so far."""
+    from vllm_kvreuse.device.triton_kernels import KERNELS, kernel_for
 
-    kernels = (kernel_for("cuda"), kernel_for("cuda", halves=True))
+    kernels = [kernel_for("cuda", name) for name in KERNELS]
     caches = [getattr(kernel, "device_caches", None) for kernel in kernels]
     if None in caches:
         pytest.skip("this Triton keeps its compiled kernels elsewhere")
@@ -229,8 +240,8 @@ def compiled_variants() -> int:
 @CUDA
 def test_warm_up_compiles_every_variant_a_request_launches() -> None:
     """After the ops' warm-up (run when the worker builds them), saves and
-    loads of any length, position and delta compile nothing: a request
-    never waits for Triton's compiler."""
+    loads of any length, position, delta and number of pieces compile
+    nothing: a request never waits for Triton's compiler."""
     layers = content_packed(KVCacheLayout.LBNHC, torch.bfloat16, device="cuda")
     ops = TritonOps(layers, make_rope())
     ops.warm_up()
@@ -242,6 +253,13 @@ def test_warm_up_compiles_every_variant_a_request_launches() -> None:
         for delta in (0, 5, -3, 1000):
             ops.load_chunk(table, 7, stored, 4, min(count, 41), delta)
             ops.load_chunk(table, 0, stored.cuda(), 0, count // 2 + 1, delta)
+            pieces = [
+                ChunkPiece(stored, 0, 0, 16, delta),
+                ChunkPiece(stored.cuda(), 3, 20, count // 4 + 1, 0),
+            ]
+            other = torch.tensor([1, 3], device="cuda")  # another request's
+            ops.load_chunks([ChunkLoad(table.cpu(), pieces),
+                             ChunkLoad(other, pieces[:1])])  # fmt: skip
     torch.cuda.synchronize()
     assert compiled_variants() == compiled
 
@@ -249,7 +267,7 @@ def test_warm_up_compiles_every_variant_a_request_launches() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_halves_kernel_moves_the_bits_the_general_one_moves(dtype) -> None:
     """Neox RoPE over the whole head loads through halves_kernel: the same
-    arithmetic as move_kernel's element-wise rotation, so the same bits."""
+    arithmetic as load_kernel's element-wise rotation, so the same bits."""
     layers = content_packed(KVCacheLayout.LBNHC, dtype)
     _, halves = twins(layers, make_rope())
     _, general = twins(layers, make_rope())
@@ -264,36 +282,11 @@ def test_the_halves_kernel_moves_the_bits_the_general_one_moves(dtype) -> None:
 
 
 def test_the_halves_kernel_reads_and_writes_in_16_byte_vectors() -> None:
-    """Compiled offline for sm_90 at Qwen2-0.5B's KV shape (2 heads of 64),
-    where the element-wise partner reads made the rotating load half as
-    fast as an unmoved one on an H200: every access is a 16-byte vector."""
-    import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from vllm_kvreuse.device.triton_kernels import kernel_for
-
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("Triton was built without its NVIDIA backend")
-    kernel = kernel_for("cuda", halves=True)
-    pointers = {"chunk_ptr": "*bf16", "cache_ptr": "*bf16", "offsets_ptr": "*i64",
-                "block_ids_ptr": "*i64", "cos_sin_ptr": "*fp32"}  # fmt: skip
-    constants = dict(NUM_HEADS=2, HALF=32, BLOCK_T=32, BLOCK_P=64, ALIGN=16,
-                     c_dim=1, k_dim=1, v_dim=1)  # fmt: skip
-    signature = {
-        name: pointers.get(name, "constexpr" if name in constants else "i32")
-        for name in kernel.arg_names
-    }
-    aligned = [n for n in kernel.arg_names if n not in constants]
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
-             if n not in ("start", "count")}  # fmt: skip
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constants, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": TritonOps.NUM_WARPS, "enable_fp_fusion": False},
-    )
-    accesses = set(re.findall(r"(?:ld|st)\.global\.[\w.]+", compiled.asm["ptx"]))
-    # b64: block ids and layer offsets, one per token or layer
+    """At Qwen2-0.5B's KV shape (2 heads of 64), where the element-wise
+    partner reads made the rotating load half as fast as an unmoved one on
+    an H200: every access to the chunk and the cache is a 16-byte vector."""
+    constants = dict(NUM_HEADS=2, HALF=32, BLOCK_T=32, BLOCK_P=64, MAX_PIECES=64,
+                     ALIGN=16, CHUNK_ALIGN=16, k_dim=1, v_dim=1)  # fmt: skip
+    accesses = set(compiled_accesses("halves", constants))
+    # b64: the piece table, block ids and layer offsets
     assert accesses == {"ld.global.v4.b32", "st.global.v4.b32", "ld.global.b64"}

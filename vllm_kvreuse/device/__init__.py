@@ -9,8 +9,10 @@ platform. Nothing outside this folder indexes a KV cache.
 - ``layouts.py``: per-layer views of the KV caches vLLM allocates;
 - ``cpu_amx.py``: the CPU attention's AMX-packed bfloat16 KV, as views;
 - ``torch_ops.py``: the torch implementation, any device, the reference;
-- ``triton_ops.py``: the Triton implementation, one launch per chunk move;
-- ``triton_kernels.py``: its kernels (any move; rotating loads of neox RoPE);
+- ``triton_ops.py``: the Triton implementation, one launch per save and per
+  step's loads;
+- ``triton_kernels.py``: its kernels (save; loads of many pieces, with any
+  rotation, and rotating neox RoPE in halves);
 - ``npu.py``: chunk moves over vllm-ascend's KV cache (Ascend NPU);
 - ``npu_kernels.py``: the Ascend kernels, each beside its torch equivalent;
 - ``block_copy.py``: copy-on-write block copies over every KV layout.
@@ -27,11 +29,20 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_kvreuse.device.base import DeviceOps, PagedKV, Rope, UnsupportedKVLayout
+from vllm_kvreuse.device.base import (
+    ChunkLoad,
+    ChunkPiece,
+    DeviceOps,
+    PagedKV,
+    Rope,
+    UnsupportedKVLayout,
+)
 from vllm_kvreuse.device.layouts import layer_views
 from vllm_kvreuse.device.torch_ops import TorchOps
 
 __all__ = [
+    "ChunkLoad",
+    "ChunkPiece",
     "DeviceOps",
     "PagedKV",
     "Rope",

@@ -127,6 +127,40 @@ def rotation_row(table: torch.Tensor, delta: int) -> torch.Tensor:
     return torch.cat([cos, -sin])
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkPiece:
+    """Tokens ``[src_start, src_start + count)`` of ``stored`` (a stored
+    chunk, ``[num_layers, 2, n, H, D]``, on any device) for positions
+    ``[dst_start, dst_start + count)`` of a request, keys moved by ``delta``
+    positions (RoPE; negative when the chunk was computed after a fill
+    context longer than what stands before it in the request)."""
+
+    stored: torch.Tensor
+    src_start: int
+    dst_start: int
+    count: int
+    delta: int
+
+    def window(self) -> torch.Tensor:
+        """The piece's tokens of ``stored``: a view, on its device."""
+        window = self.stored[:, :, self.src_start : self.src_start + self.count]
+        assert window.shape[2] == self.count, (
+            f"tokens [{self.src_start}, {self.src_start + self.count}) of a "
+            f"{self.stored.shape[2]}-token chunk"
+        )
+        return window
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLoad:
+    """The pieces one request loads in a step, into the request whose block
+    table (manager blocks, on any device) is ``block_ids``. The pieces write
+    disjoint positions, in no particular order."""
+
+    block_ids: torch.Tensor
+    pieces: Sequence[ChunkPiece]
+
+
 class DeviceOps(ABC):
     """Chunk moves over one worker's paged KV cache, every attention layer.
 
@@ -230,12 +264,24 @@ class DeviceOps(ABC):
 
         Mutates only those slots, in every layer.
         """
-        window = stored[:, :, src_start : src_start + count]
-        assert window.shape[2] == count, (
-            f"tokens [{src_start}, {src_start + count}) of a "
-            f"{stored.shape[2]}-token chunk"
-        )
+        window = ChunkPiece(stored, src_start, dst_start, count, delta).window()
         self.write_window(block_ids, dst_start, window.to(self.device), delta)
+
+    def load_chunks(self, loads: Sequence[ChunkLoad]) -> None:
+        """Every piece of ``loads`` (a step's loads, one entry a request), as
+        :meth:`load_chunk` loads one. No two pieces may write the same slot:
+        an implementation may write them in any order, or all at once.
+
+        Mutates only those slots, in every layer. This default loads piece
+        by piece; a fused implementation moves them all in one launch.
+        """
+        for load in loads:
+            block_ids = load.block_ids.to(self.device)
+            for piece in load.pieces:
+                self.load_chunk(
+                    block_ids, piece.dst_start, piece.stored, piece.src_start,
+                    piece.count, piece.delta,
+                )  # fmt: skip
 
     @abstractmethod
     def write_window(

@@ -61,8 +61,9 @@ class ChunkWorker:
         for op in meta.ops:
             if op.kind != "publish":
                 self.tiers.apply(op)
-        for load in meta.loads:
-            self._load(load)
+        assert self.ops is not None
+        if meta.loads:  # every request's pieces at once: fused ops, one launch
+            self.ops.load_chunks([self._pieces(load) for load in meta.loads])
 
     def after_forward(self, meta: ChunkMeta) -> None:
         """This step's saves (chunks its forward pass computed), then their
@@ -103,12 +104,15 @@ class ChunkWorker:
         )
         self.tiers.put(save.key, chunk, Meta(save.length, save.start, save.origin))
 
-    def _load(self, load: LoadSpec) -> None:
+    def _pieces(self, load: LoadSpec) -> device.ChunkLoad:
         """Every piece of ``load`` whose chunk is here, as the plan names it
         (computed at the same position, of the same origin); the blocks of
-        the others are reported (vLLM recomputes from the first of them)."""
-        assert self.ops is not None and self.tiers is not None
-        block_ids = self._block_table(load.block_ids)
+        the others are reported (vLLM recomputes from the first of them).
+
+        The block table stays on the host: the ops copy every request's
+        with their piece table, once a step."""
+        assert self.tiers is not None
+        pieces = []
         for piece in load.pieces:
             chunk, meta = self.tiers.get(piece.key), self.tiers.meta(piece.key)
             if (
@@ -121,10 +125,10 @@ class ChunkWorker:
                 last = (piece.dst_start + piece.count - 1) // self.block_size
                 self._load_errors.update(load.block_ids[first : last + 1])
                 continue
-            self.ops.load_chunk(
-                block_ids, piece.dst_start, chunk, piece.src_start, piece.count,
-                piece.delta,
-            )  # fmt: skip
+            pieces.append(device.ChunkPiece(chunk, piece.src_start,
+                                            piece.dst_start, piece.count,
+                                            piece.delta))  # fmt: skip
+        return device.ChunkLoad(torch.tensor(load.block_ids), pieces)
 
 
 def worker_tiers(vllm_config: Any, ops: device.DeviceOps) -> LocalTiers:
