@@ -24,6 +24,7 @@ from vllm_kvreuse.core.internal import InternalRequests
 from vllm_kvreuse.core.ledger import BlockLedger
 from vllm_kvreuse.core.resend import Resends
 from vllm_kvreuse.core.spec import Settings
+from vllm_kvreuse.core.upstream.extra_rows import ExtraRows
 from vllm_kvreuse.core.upstream.scheduler import Upstream
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class Core:
     - ``holds``: requests features hold out of upstream's scheduling, and
       the one owner of their moves out of vLLM's queues and back;
     - ``upstream``: the one seam to upstream's internal state;
+    - ``extra_rows``: rows a step runs outside upstream's loop (added after
+      ``schedule()``, hidden from ``update_from_output``: beam groups
+      stepped as one);
     - :meth:`emit`: outputs the engine itself finishes requests with
       (rejections, errors, beam results), delivered with the next step's;
     - :meth:`fail`, :meth:`abort`: finish requests at the next safe point
@@ -54,6 +58,7 @@ class Core:
         self.scheduler = scheduler
         self.config = config
         self.upstream = Upstream(scheduler)
+        self.extra_rows = ExtraRows(scheduler)
         self.ledger = BlockLedger(self.upstream)
         self.internal = InternalRequests(scheduler.add_upstream)
         self.resends = Resends(self.upstream)

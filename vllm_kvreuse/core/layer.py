@@ -174,11 +174,12 @@ class KVReuseLayer(Scheduler):
         core.ledger.released_since_step = False
         self._each("before_schedule")
         core.holds.take_out()
+        core.extra_rows.begin()
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             core.holds.put_back()
-            core.upstream.extra_rows.return_tokens()
+            core.extra_rows.return_tokens()
         core.resends.deliver(output)
         self._each("after_schedule", output)
         if self._under_pressure(output):
@@ -191,7 +192,7 @@ class KVReuseLayer(Scheduler):
     ) -> dict[int, EngineCoreOutputs]:
         self._each("on_model_output", scheduler_output, model_runner_output)
         # Extra rows (beam members stepped as one) are the features' to apply.
-        walked = self.kvreuse.upstream.extra_rows.hidden(scheduler_output)
+        walked = self.kvreuse.extra_rows.hidden(scheduler_output)
         outputs = super().update_from_output(walked, model_runner_output)
         core = self.kvreuse
         core.internal.route(outputs)

@@ -52,7 +52,7 @@ class OneRequestSteps:
     def __init__(self, core: Core, groups: GroupTable) -> None:
         self.core = core
         self._groups = groups
-        self._rows = core.upstream.extra_rows
+        self._rows = core.extra_rows
         self.stepping: list[BeamGroup] = []
         self.num_taken = 0  # groups stepped as one (a metric of the tests)
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvreuse.core.upstream import requests as request_state
+from vllm_kvreuse.core.upstream.scheduler import append_cached_rows
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -46,11 +47,19 @@ class ExtraRows:
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         self._borrowed = 0
+        self._previous: set[str] = set()
         self.supported = scheduler.parallel_config.pipeline_parallel_size == 1
         """Pipeline parallelism sends sampled tokens back with each row:
         extra rows do not (the workers keep their own)."""
 
     # -- around schedule() ---------------------------------------------------------
+
+    def begin(self) -> None:
+        """Right before ``schedule()``: notes which requests the previous
+        step ran (upstream's set, its extra rows included), which
+        ``schedule()`` overwrites with its own."""
+        if not self._scheduler.use_v2_model_runner:
+            self._previous = set(self._scheduler.prev_step_scheduled_req_ids)
 
     def token_budget(self) -> int:
         """Tokens the next ``schedule()`` may schedule, less those borrowed."""
@@ -83,29 +92,27 @@ class ExtraRows:
         scheduler = self._scheduler
         cached = output.scheduled_cached_reqs
         v1 = not scheduler.use_v2_model_runner
-        previous = scheduler.prev_step_scheduled_req_ids
         fence = scheduler.defer_block_free
         if fence and output.total_num_scheduled_tokens == 0:
             scheduler.sched_step_seq += 1  # upstream advances it for non-empty steps
-        ids = []
-        for request in requests:
-            rid = request.request_id
-            ids.append(rid)
-            if v1 and rid not in previous:  # as upstream: for a KV connector
-                cached.all_token_ids[rid] = list(request.all_token_ids)
-            cached.new_block_ids.append(new_blocks.pop(rid, None))
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            cached.num_output_tokens.append(
-                request.num_output_tokens + request.num_output_placeholders
-            )
-            output.num_scheduled_tokens[rid] = 1
-            request_state.run_one(request, scheduler.sched_step_seq if fence else None)
-        cached.req_ids += ids
+        ids = [request.request_id for request in requests]
+        if v1:  # as upstream: a row the last step did not run comes whole
+            for request in requests:
+                if request.request_id not in self._previous:
+                    cached.all_token_ids[request.request_id] = list(
+                        request.all_token_ids
+                    )
+        outputs = [r.num_output_tokens + r.num_output_placeholders for r in requests]
+        seq = scheduler.sched_step_seq if fence else None
+        positions = [request_state.run_one(r, seq) for r in requests]
+        blocks = [new_blocks.pop(rid, None) for rid in ids]
+        append_cached_rows(cached, ids, blocks, positions, outputs)
+        output.num_scheduled_tokens.update(dict.fromkeys(ids, 1))
         output.total_num_scheduled_tokens += len(ids)
         # Cascade attention assumes every row shares those blocks.
         output.num_common_prefix_blocks = [0] * len(output.num_common_prefix_blocks)
-        if v1:
-            previous.update(ids)
+        if v1:  # what the next begin() reads as the step's rows
+            scheduler.prev_step_scheduled_req_ids.update(ids)
         vars(output).setdefault(ROWS_ATTR, set()).update(ids)  # its own attribute
 
     def hidden(self, output: SchedulerOutput) -> SchedulerOutput:

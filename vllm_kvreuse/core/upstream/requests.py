@@ -75,16 +75,19 @@ def settle_rows(request: Request, num_row_tokens: int) -> None:
         request.num_stale_output_tokens -= stale
 
 
-def run_one(request: Request, fence: int | None) -> None:
+def run_one(request: Request, fence: int | None) -> int:
     """The request's next position is scheduled outside upstream's loop
     (:mod:`.extra_rows`): advanced and counted in flight as upstream's
     ``_update_after_schedule`` does for a decoding row; ``fence``: the
-    deferred-free step sequence, when upstream keeps one."""
-    request.num_computed_tokens += 1
+    deferred-free step sequence, when upstream keeps one. Returns that
+    position (its computed count before)."""
+    position = request.num_computed_tokens
+    request.num_computed_tokens = position + 1
     request.num_in_flight_tokens += 1
     request.is_prefill_chunk = False
     if fence is not None:
         request.last_sched_seq = fence
+    return position
 
 
 def history(request: Request, start: int) -> list[int]:

@@ -33,7 +33,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 from vllm_kvreuse.core.upstream import requests as request_state
-from vllm_kvreuse.core.upstream.extra_rows import ExtraRows
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -55,7 +54,6 @@ class Upstream:
         )
         self.v2 = scheduler.use_v2_model_runner
         self._num_rows = 0  # row requests made (their ids are unique)
-        self.extra_rows = ExtraRows(scheduler)
 
     # -- the block pool ----------------------------------------------------------
 
@@ -290,6 +288,21 @@ class Upstream:
     def end_rows(output: SchedulerOutput, row_ids: Iterable[str]) -> None:
         """The workers drop these row requests with this step."""
         output.finished_req_ids.update(row_ids)
+
+
+def append_cached_rows(
+    cached: Any,
+    req_ids: list[str],
+    new_block_ids: list[tuple[list[int], ...] | None],
+    num_computed_tokens: list[int],
+    num_output_tokens: list[int],
+) -> None:
+    """Appends rows to a ``CachedRequestData`` (no pipeline parallelism:
+    no new token ids), each parallel list by name."""
+    cached.req_ids += req_ids
+    cached.new_block_ids += new_block_ids
+    cached.num_computed_tokens += num_computed_tokens
+    cached.num_output_tokens += num_output_tokens
 
 
 def _drop_rows(cached: Any, rows: set[int]) -> None:
