@@ -54,6 +54,8 @@ beams / decode+lp without the frontend.
     .venv/bin/python benchmarks/beam_step_overhead.py --clock cpu     # on a busy box
     .venv/bin/python benchmarks/beam_step_overhead.py --runner v2 \\
         --widths 50 128 512 --steps 3 --repeats 1                     # V2 runner
+    python benchmarks/beam_step_overhead.py --model models/small --sync \\
+        --dtype bfloat16 --widths 50 512                              # a GPU
 """
 
 from __future__ import annotations
@@ -116,16 +118,25 @@ class Timers:
     counted in its own part only.
     """
 
-    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        sync: Callable[[], None] | None = None,
+    ) -> None:
         self.clock = clock
+        # On a GPU: wait for the device at every boundary, so that each part
+        # holds the device time of what it launched (the forward its own).
+        self.sync = sync or (lambda: None)
         self.steps: list[Step] = []
         self.current = Step()
         self._stack: list[list[Any]] = []  # [part, start ns, nested ns]
 
     def enter(self, part: str) -> None:
+        self.sync()
         self._stack.append([part, self.clock(), 0])
 
     def leave(self) -> None:
+        self.sync()
         part, start, nested = self._stack.pop()
         elapsed = self.clock() - start
         self.current.add(part, elapsed - nested)
@@ -241,6 +252,14 @@ def main() -> None:
     parser.add_argument(
         "--show-steps", action="store_true", help="print every step's shape"
     )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument(
+        "--sync",
+        action="store_true",
+        help="GPU: synchronize at every part's boundary (each part then holds "
+        "the device time of its launches; the model part is the forward's)",
+    )
     parser.add_argument(
         "--eos",
         action="store_true",
@@ -260,16 +279,19 @@ def main() -> None:
 
     widest = max(args.widths)
     llm = LLM(
-        args.model, dtype="float32", enforce_eager=True, seed=0,
+        args.model, dtype=args.dtype, enforce_eager=True, seed=0,
         block_size=args.block_size,
         max_model_len=args.prompt_tokens + args.steps + 64,
         max_num_seqs=max(256, 2 * widest),
         max_num_batched_tokens=max(8192, widest * args.block_size),
         max_logprobs=2 * widest + 1, engine_beam_search=True,
-        kv_cache_memory_bytes=512 << 20,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
     )  # fmt: skip
+    import torch
+
+    sync = torch.cuda.synchronize if args.sync and torch.cuda.is_available() else None
     timers = Timers(
-        time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
+        time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns, sync
     )
     runner = timers.install(llm)
     rng = random.Random(0)
