@@ -102,7 +102,11 @@ class ExtraRows:
                     cached.all_token_ids[request.request_id] = list(
                         request.all_token_ids
                     )
-        outputs = [r.num_output_tokens + r.num_output_placeholders for r in requests]
+        # Output tokens the workers hold: those appended, and a sample per
+        # step in flight (upstream counts its own as placeholders; an extra
+        # row's only as in flight; both are in flight). Fewer, and a V1
+        # runner would cut its own list.
+        outputs = [r.num_output_tokens + r.num_in_flight_tokens for r in requests]
         seq = scheduler.sched_step_seq if fence else None
         positions = [request_state.run_one(r, seq) for r in requests]
         blocks = [new_blocks.pop(rid, None) for rid in ids]
