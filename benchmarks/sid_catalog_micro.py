@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from vllm_kvreuse.beam.catalog.file import load_catalog
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.rule import BeamConfig
 from vllm_kvreuse.testing.catalog_reference import step
 
 VOCAB = 160_000

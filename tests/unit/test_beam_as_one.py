@@ -9,8 +9,8 @@ from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import num_free_blocks
 from tests.unit.test_beam_scheduler import PROMPT, host_search, root
-from vllm_kvreuse.beam.policy import BeamConfig
 from vllm_kvreuse.beam.result import decode
+from vllm_kvreuse.beam.rule import BeamConfig
 from vllm_kvreuse.core.upstream.extra_rows import extra_rows
 from vllm_kvreuse.testing.fake_worker import model_output as made_up_output
 

@@ -17,7 +17,7 @@ from vllm.config import ModelConfig
 from tests.unit.conftest import make_request
 from tests.unit.scheduler_driver import Driver, make_full_scheduler
 from vllm_kvreuse.beam import result as beam_result
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.rule import BeamConfig
 
 PROMPT = list(range(300, 340))
 

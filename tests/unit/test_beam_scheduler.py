@@ -9,8 +9,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import make_request, num_free_blocks
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult, decode, encode
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.testing.fake_worker import made_up_logits
 from vllm_kvreuse.testing.fake_worker import model_output as made_up_output
 
@@ -19,7 +19,7 @@ VOCAB = 4096  # the tiny model's
 
 
 def host_search(prompt: list[int], config: BeamConfig) -> list[tuple[list[int], float]]:
-    """The host's rule (``policy.expand`` on rows cut in the canonical
+    """The host's rule (``rule.expand`` on rows cut in the canonical
     order) over the made-up logits: what the engine's beams must be."""
     beams = [Beam(BeamSearchSequence(None, list(prompt), []), "r")]
     done = []

@@ -1,7 +1,7 @@
 """The beam step next to the logits selects what the host's rule selects.
 
 The device step (:mod:`vllm_kvreuse.beam.worker.select`, both selections) against
-a brute force over whole rows, and against ``policy.expand`` /
+a brute force over whole rows, and against ``rule.expand`` /
 ``catalog_step`` fed the rows vLLM's sampler returns; random cases with
 ties everywhere (few distinct logits, equal cumulative scores), EOS ending
 beams or not, the sampler's own draw, catalogs, and whole searches ranked
@@ -15,9 +15,9 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_kvreuse.beam.catalog.policy import catalog_step
+from vllm_kvreuse.beam.catalog.rule import catalog_step
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.beam.scheduler.live import carriers as host_carriers
 from vllm_kvreuse.beam.worker.select import (
     Rule,
@@ -132,7 +132,7 @@ def cut_is_tied(logits: torch.Tensor, size: int) -> bool:
 @pytest.mark.parametrize("rows", ["vllm", "canonical"])
 @pytest.mark.parametrize("seed", range(60))
 def test_device_step_selects_what_the_host_policy_selects(seed: int, rows: str) -> None:
-    """``policy.expand`` on the rows vLLM's real sampler returns (top
+    """``rule.expand`` on the rows vLLM's real sampler returns (top
     ``row_size`` plus the drawn token) selects the device step's beams,
     scores and completions, ties across beams and within rows included;
     on rows cut in the canonical order, always (with vLLM's rows, a tie at

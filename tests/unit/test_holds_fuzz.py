@@ -43,7 +43,7 @@ from vllm.config import ModelConfig
 
 from tests.unit.conftest import make_request
 from tests.unit.scheduler_driver import EOS, Driver, make_full_scheduler
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.rule import BeamConfig
 from vllm_kvreuse.beam.scheduler.gate import REASON as STEP_DOES_NOT_FIT
 from vllm_kvreuse.beam.scheduler.sit_out import REASON as SITS_OUT
 from vllm_kvreuse.chunk_cache.paths.voting import REASON as WAITS_FOR_SCORES

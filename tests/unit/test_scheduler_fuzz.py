@@ -52,7 +52,7 @@ from vllm.config import ModelConfig
 
 from tests.unit.conftest import make_request
 from tests.unit.scheduler_driver import EOS, SAMPLED, Driver, make_full_scheduler
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.rule import BeamConfig
 
 DOC_LENGTHS = (16, 33, 50, 70, 100)
 DOCS = [

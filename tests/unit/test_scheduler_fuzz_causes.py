@@ -14,7 +14,7 @@ from vllm.v1.engine import FinishReason
 
 from tests.unit.conftest import make_request
 from tests.unit.scheduler_driver import EOS, Driver, make_full_scheduler
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.rule import BeamConfig
 
 QUESTION = list(range(9000, 9004))
 

@@ -8,7 +8,7 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, expand
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, expand
 from vllm_kvreuse.testing.catalog_reference import (
     expand_constrained,
     offer_rows,

@@ -9,7 +9,7 @@ from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from tests.unit.test_sid_catalog import EOS, random_items
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, best, expand, logprob_row
 from vllm_kvreuse.testing.catalog_reference import expand_constrained
 
 

@@ -15,7 +15,7 @@ Shared by them:
   the ``--sid-catalog`` setting);
 - ``engine_args.py``: the catalog's logits processor put in the engine
   arguments and settled on the finished config;
-- ``policy.py``: vLLM's beam rule and ``BeamConfig``, free of scheduler state;
+- ``rule.py``: vLLM's beam rule and ``BeamConfig``, free of scheduler state;
 - ``plan.py``: a step's groups to the workers, their results back;
 - ``result.py``: how the best beams reach the frontend;
 - ``metrics.py``: its counters in ``/metrics``.

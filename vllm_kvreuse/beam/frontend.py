@@ -26,7 +26,7 @@ from vllm.utils.math_utils import cdiv
 
 from vllm_kvreuse.beam.answers import beam_output, offline_beam_output
 from vllm_kvreuse.beam.catalog.load import engine_catalog
-from vllm_kvreuse.beam.policy import BeamConfig
+from vllm_kvreuse.beam.rule import BeamConfig
 from vllm_kvreuse.core.request_keys import BEAM, PARENT, seal
 from vllm_kvreuse.core.spec import settings_of
 

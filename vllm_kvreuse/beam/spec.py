@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvreuse.beam.policy import BeamConfig, parse_token_id
+from vllm_kvreuse.beam.rule import BeamConfig, parse_token_id
 from vllm_kvreuse.core.options import Option, parse_bool, parse_file
 from vllm_kvreuse.core.request_keys import BEAM, SID_EOS, SID_NODE
 from vllm_kvreuse.core.spec import ArgKey, FeatureSpec

@@ -2,12 +2,12 @@
 
 Not on the serving path. The engine masks each catalog beam's logits in the
 worker (:mod:`vllm_kvreuse.beam.catalog.processor`) and steps on the sparse
-top-k rows that come back (:mod:`vllm_kvreuse.beam.catalog.policy`). This
+top-k rows that come back (:mod:`vllm_kvreuse.beam.catalog.rule`). This
 module states the same rule densely, on a ``[B, vocab]`` log-prob matrix;
 tests check it against a brute-force search and check the engine against
 it, and ``benchmarks/sid_catalog_micro.py`` times it.
 
-The rule is :func:`vllm_kvreuse.beam.policy.expand`'s, restricted to the
+The rule is :func:`vllm_kvreuse.beam.rule.expand`'s, restricted to the
 catalog, with the mask applied *before* the top-k:
 
 1. Each beam's legal tokens are its trie node's children
@@ -20,7 +20,7 @@ catalog, with the mask applied *before* the top-k:
    log-probability under the model.
 3. As in ``expand``: EOS completes a beam; the other candidates, listed beam
    by beam in offer order, are ranked by cumulative log-prob in
-   :func:`~vllm_kvreuse.beam.policy.rank`'s order, and the best ``width``
+   :func:`~vllm_kvreuse.beam.rule.rank`'s order, and the best ``width``
    live on.
 
 Fewer children than ``width`` (the documented rule): the best ``width``
@@ -49,7 +49,7 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, Step, rank
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, Step, rank
 
 NO_TOKEN = -1
 """``CatalogStep.completed_tokens`` of a beam that ended at a leaf without EOS."""
@@ -202,7 +202,7 @@ def top_k_stable(values: torch.Tensor, k: int) -> torch.Tensor:
 def offer_rows(
     catalog: SidCatalog, logprobs: torch.Tensor, nodes: torch.Tensor, config: BeamConfig
 ) -> list[dict[int, float]]:
-    """Rows for :func:`~vllm_kvreuse.beam.policy.expand`: ``expand`` on them
+    """Rows for :func:`~vllm_kvreuse.beam.rule.expand`: ``expand`` on them
     selects what :func:`step` selects (tokens, scores, parents, order)."""
     offered = offers(catalog, logprobs, nodes, config)
     return [
@@ -228,7 +228,7 @@ def expand_constrained(
     catalog: SidCatalog,
     config: BeamConfig,
 ) -> CatalogExpansion:
-    """:func:`~vllm_kvreuse.beam.policy.expand` restricted to the catalog.
+    """:func:`~vllm_kvreuse.beam.rule.expand` restricted to the catalog.
 
     ``nodes[i]``: trie node of ``beams[i]`` (0, the root, at the first step);
     ``logprobs``: ``[len(beams), vocab_size]``, row ``i`` for ``beams[i]``.

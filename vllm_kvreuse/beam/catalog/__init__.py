@@ -4,6 +4,6 @@
 - ``file.py``: the catalog file's format and its parser;
 - ``load.py``: where the catalog is loaded, once per process and device,
   and which logits processor masks it;
-- ``policy.py``: the beam rule inside the catalog (host rows);
+- ``rule.py``: the beam rule inside the catalog (host rows);
 - ``processor.py``: the catalog's logits mask (V1 and V2 runners).
 """

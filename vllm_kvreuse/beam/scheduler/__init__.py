@@ -16,5 +16,5 @@
   fork step strategy);
 - ``gate.py``: a step is admitted whole (members of one that does not fit
   are held out of the queue for a schedule);
-- ``policies.py``: plain beams or beams in a SID catalog, one object per group.
+- ``group_rule.py``: plain beams or beams in a SID catalog, one object per group.
 """

@@ -12,7 +12,7 @@ prefix caching): ``width`` member requests for the whole search, the workers
 applying each step themselves, so a group advances every engine step under
 async scheduling too; else *fork* (:mod:`.fork`): each step's beams are new
 one-token requests whose log-prob rows are ranked on the host
-(:mod:`.policies`).
+(:mod:`.group_rule`).
 
 Block ownership: live members own their blocks as any running request
 (the prompt's full blocks shared, the rest their own); a fork member's
@@ -58,15 +58,15 @@ from vllm_kvreuse.beam.plan import (
     results_of,
     steps_of,
 )
-from vllm_kvreuse.beam.policy import BeamConfig, best
+from vllm_kvreuse.beam.rule import BeamConfig, best
 from vllm_kvreuse.beam.scheduler import sit_out
 from vllm_kvreuse.beam.scheduler.as_one import OneRequestSteps
 from vllm_kvreuse.beam.scheduler.fork import ForkSteps
 from vllm_kvreuse.beam.scheduler.gate import Gate
 from vllm_kvreuse.beam.scheduler.group import BeamGroup, Phase
+from vllm_kvreuse.beam.scheduler.group_rule import rule_for
 from vllm_kvreuse.beam.scheduler.groups import OWNER, GroupTable
 from vllm_kvreuse.beam.scheduler.live import LiveSteps
-from vllm_kvreuse.beam.scheduler.policies import policy_for
 from vllm_kvreuse.core.feature import Feature
 from vllm_kvreuse.core.upstream.extra_rows import extra_rows
 
@@ -101,7 +101,7 @@ class EngineBeamSearch(Feature):
         sampling = request.sampling_params
         config = BeamConfig.from_extra_args(sampling.extra_args if sampling else None)
         if config is not None:
-            self.groups.start(request, config, policy_for(config, self.catalog))
+            self.groups.start(request, config, rule_for(config, self.catalog))
 
     def before_free_blocks(self, request: Request) -> None:
         """A root's or fork member's blocks stay for the next step's beams
@@ -224,7 +224,7 @@ class EngineBeamSearch(Feature):
         oldest such group's (they recompute their beam later)."""
         for group in self.groups:
             if self.groups.holds_blocks(group):
-                self.groups.release(group.beam_ids)
+                self.groups.free_held(group.beam_ids)
                 return True
         for group in self.groups.live():
             if stuck := self.live_steps.stalled(group):
@@ -234,7 +234,7 @@ class EngineBeamSearch(Feature):
 
     def reset_cache(self) -> None:
         for group in self.groups:
-            self.groups.release(group.beam_ids)
+            self.groups.free_held(group.beam_ids)
 
     def waiting_summary(self) -> dict[str, int]:
         return {
@@ -292,13 +292,13 @@ class EngineBeamSearch(Feature):
         config, result = group.config, group.result
         group.result = None
         if result is not None:
-            step, nodes = group.policy.device_step(result, group.beams, config)
+            step, nodes = group.rule.device_step(result, group.beams, config)
         else:
             step, nodes = self.fork_steps.host_step(group)
         group.completed += step.completed
         group.step += 1
         # The previous step's beams have been forked from: their KV can go.
-        self.groups.release(group.previous)
+        self.groups.free_held(group.previous)
         group.previous = group.member_ids
         if group.step >= config.max_tokens or not step.beams:
             final = best(group.completed, [seq for seq, _ in step.beams], config)

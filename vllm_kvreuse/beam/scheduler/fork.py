@@ -5,8 +5,8 @@ blocks cannot be handed over (not full attention, or no prefix caching).
 Every step's beams are new one-token requests (spawned by the group table,
 :meth:`.groups.GroupTable.spawn`) whose parents are held in the ledger;
 each asks vLLM's sampler for the log-prob row its beam needs
-(``BeamConfig.num_logprobs``), and the group's policy ranks the rows on the
-host (:mod:`.policies`) once all are in.
+(``BeamConfig.num_logprobs``), and the group's rule ranks the rows on the
+host (:mod:`.group_rule`) once all are in.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.engine import EngineCoreOutput
 
-from vllm_kvreuse.beam.policy import Beam, Step, logprob_row
+from vllm_kvreuse.beam.rule import Beam, Step, logprob_row
 
 if TYPE_CHECKING:
     from vllm_kvreuse.beam.scheduler.group import BeamGroup
@@ -42,11 +42,11 @@ class ForkSteps:
     def host_step(self, group: BeamGroup) -> tuple[Step, list[int]]:
         """The step the members' rows give (and each next beam's node)."""
         rows = [group.rows.pop(beam.request_id) for beam in group.beams]
-        return group.policy.host_step(group.beams, rows, group.config)
+        return group.rule.host_step(group.beams, rows, group.config)
 
     def start(self, group: BeamGroup, step: Step, nodes: list[int]) -> list[Beam]:
         """The next beams as new member requests."""
-        args = group.policy.fork_args(nodes, group.config)
+        args = group.rule.fork_args(nodes, group.config)
         return [
             Beam(
                 seq,

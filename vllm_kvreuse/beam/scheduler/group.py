@@ -27,9 +27,9 @@ from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.request import Request
 
 from vllm_kvreuse.beam.plan import GroupResult, GroupStep
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
-from vllm_kvreuse.beam.scheduler.policies import PlainPolicy
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, Row
+from vllm_kvreuse.beam.scheduler.group_rule import PlainRule
 from vllm_kvreuse.core.internal import derived_request
 from vllm_kvreuse.core.request_keys import PARENT
 from vllm_kvreuse.core.upstream.requests import never_stop, share_block_hashes
@@ -67,7 +67,7 @@ class BeamGroup:
 
     root: Request
     config: BeamConfig
-    policy: PlainPolicy  # plain or catalog (:mod:`.policies`)
+    rule: PlainRule  # plain or catalog (:mod:`.group_rule`)
     beams: list[Beam]
     phase: Phase = Phase.ROOT
     members: list[str] = field(default_factory=list)
@@ -98,12 +98,12 @@ class BeamGroup:
     num_member_computed_tokens: int = 0
 
     @classmethod
-    def start(cls, root: Request, config: BeamConfig, policy: PlainPolicy) -> BeamGroup:
+    def start(cls, root: Request, config: BeamConfig, rule: PlainRule) -> BeamGroup:
         """A group whose one beam is the root itself (its prompt)."""
         prompt = list(root.prompt_token_ids or [])
         seq = BeamSearchSequence(orig_prompt=None, tokens=prompt, logprobs=[])
         beams = [Beam(seq, root.request_id)]
-        return cls(root=root, config=config, policy=policy, beams=beams)
+        return cls(root=root, config=config, rule=rule, beams=beams)
 
     @property
     def root_id(self) -> str:

@@ -21,8 +21,8 @@ from vllm_kvreuse.beam.scheduler.group import BeamGroup, Phase, member_request
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from vllm_kvreuse.beam.policy import BeamConfig
-    from vllm_kvreuse.beam.scheduler.policies import PlainPolicy
+    from vllm_kvreuse.beam.rule import BeamConfig
+    from vllm_kvreuse.beam.scheduler.group_rule import PlainRule
     from vllm_kvreuse.core.context import Core
     from vllm_kvreuse.core.feature import Feature
 
@@ -81,9 +81,9 @@ class GroupTable:
 
     # -- membership ----------------------------------------------------------------
 
-    def start(self, root: Request, config: BeamConfig, policy: PlainPolicy) -> None:
+    def start(self, root: Request, config: BeamConfig, rule: PlainRule) -> None:
         """A group whose one beam is ``root`` itself."""
-        group = BeamGroup.start(root, config, policy)
+        group = BeamGroup.start(root, config, rule)
         self._by_root[group.root_id] = group
         self._of[group.root_id] = group
 
@@ -123,10 +123,10 @@ class GroupTable:
             del self._of[request_id]
         if group.started:
             self._ended.append(group.root_id)
-        self.release(group.beam_ids)
+        self.free_held(group.beam_ids)
         self.core.abort(r for r in requests if r != group.root_id)
 
-    def release(self, request_ids: list[str]) -> None:
+    def free_held(self, request_ids: list[str]) -> None:
         """Lets held beams' blocks go (a step's children have run, a reset,
         memory pressure, the group's end)."""
         self.core.ledger.release(request_ids)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import Request
 
 from vllm_kvreuse.beam.plan import GroupResult, GroupStep, outside_of, put_outside
-from vllm_kvreuse.beam.policy import Beam, Step
+from vllm_kvreuse.beam.rule import Beam, Step
 from vllm_kvreuse.beam.scheduler.group import Phase
 from vllm_kvreuse.beam.scheduler.sit_out import REASON, stalled, to_hold
 

@@ -6,7 +6,7 @@ tensors. For a group of ``B`` beams (rows of logits) and width ``W`` it
 returns ``W`` (parent beam, token, score) triples and, per beam, whether it
 completes: nothing of a ``[B, V]`` log-prob row leaves the device.
 
-The rule is :mod:`vllm_kvreuse.beam.policy`'s (vLLM's front-end rule) with
+The rule is :mod:`vllm_kvreuse.beam.rule`'s (vLLM's front-end rule) with
 one total order for ties, the same on host and device:
 
 - a beam's candidates are its tokens with a finite log-prob

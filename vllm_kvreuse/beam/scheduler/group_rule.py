@@ -1,12 +1,12 @@
 """What differs between plain beams and beams inside a SID catalog.
 
-A group gets one policy object when it starts (:func:`policy_for`) and asks
+A group gets one rule object when it starts (:func:`rule_for`) and asks
 it, never a flag, how to rank a fork step's rows on the host, what a fork
 member must carry for the workers' catalog mask, and which trie node each
 next beam is on. Live and root steps rank on the device
 (:mod:`vllm_kvreuse.beam.worker.select`, given each beam's node by the
-group's plan); both policies turn that result into a
-:class:`~vllm_kvreuse.beam.policy.Step` alike.
+group's plan); both rules turn that result into a
+:class:`~vllm_kvreuse.beam.rule.Step` alike.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vllm_kvreuse.beam.catalog.policy import catalog_args, catalog_step
+from vllm_kvreuse.beam.catalog.rule import catalog_args, catalog_step
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.plan import GroupResult
-from vllm_kvreuse.beam.policy import (
+from vllm_kvreuse.beam.rule import (
     Beam,
     BeamConfig,
     Row,
@@ -28,7 +28,7 @@ from vllm_kvreuse.beam.policy import (
 )
 
 
-class PlainPolicy:
+class PlainRule:
     """vLLM's rule over the whole vocabulary."""
 
     def host_step(
@@ -59,7 +59,7 @@ class PlainPolicy:
         return [{} for _ in nodes]
 
 
-class CatalogPolicy(PlainPolicy):
+class CatalogRule(PlainRule):
     """The rule inside the server's SID catalog (CPU copy of the trie)."""
 
     def __init__(self, catalog: SidCatalog) -> None:
@@ -89,11 +89,11 @@ class CatalogPolicy(PlainPolicy):
         return catalog_args(self.catalog, config, nodes)
 
 
-def policy_for(config: BeamConfig, catalog: SidCatalog | None) -> PlainPolicy:
-    """The group's policy; a catalog group on a server without a catalog is
+def rule_for(config: BeamConfig, catalog: SidCatalog | None) -> PlainRule:
+    """The group's rule; a catalog group on a server without a catalog is
     the caller's mistake (``ValueError``)."""
     if not config.sid_catalog:
-        return PlainPolicy()
+        return PlainRule()
     if catalog is None:
         raise ValueError("sid_catalog beams need a server started with --sid-catalog")
-    return CatalogPolicy(catalog)
+    return CatalogRule(catalog)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, best, expand, logprob_row
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, best, expand, logprob_row
 
 EOS = 2
 

@@ -5,7 +5,7 @@ Each beam's request returns its top log-probs *after* the catalog mask
 children with their true log-probs, plus the mask's sink and the sampled
 token. The step keeps each beam's legal candidates (its node's children; at
 a leaf, EOS unless the request ignores it), best ``row_size`` first, ties
-to the lower token id, and applies :func:`~vllm_kvreuse.beam.policy.expand`.
+to the lower token id, and applies :func:`~vllm_kvreuse.beam.rule.expand`.
 This is the rule of the dense reference
 (:mod:`vllm_kvreuse.testing.catalog_reference`, tested against a
 brute-force search), fed by sparse rows instead of full-vocabulary ones.
@@ -24,7 +24,7 @@ import torch
 from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
-from vllm_kvreuse.beam.policy import Beam, BeamConfig, Row, Step, expand
+from vllm_kvreuse.beam.rule import Beam, BeamConfig, Row, Step, expand
 from vllm_kvreuse.core.request_keys import SID_EOS, SID_NODE
 
 
