@@ -137,6 +137,10 @@ def test_live_members_share_the_prompt_hashes_and_hash_the_rest_privately(
     for _ in range(30):  # past the next block boundary (96 tokens)
         output = scheduler.schedule()
         scheduler.update_from_output(output, model_output(scheduler, output))
+    # Stepped as one, the members' histories are built when read.
+    feature = scheduler.feature("beam")
+    for group in feature.groups:
+        feature.as_one.sync(group)
     members = [r for r in scheduler.requests.values() if "-beam" in r.request_id]
     assert members and members[0].num_tokens > 96
     private = []

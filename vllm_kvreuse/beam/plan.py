@@ -102,15 +102,21 @@ class GroupResult:
     def unpack(cls, packed: PackedResult, num_beams: int) -> GroupResult:
         """``num_beams``: the beams of the step (the rest of ``beams`` rows
         are no beam)."""
-        rows = [r for r in packed.next.tolist() if r[4]]
-        beams = packed.beams[:num_beams].tolist()
+        rows = packed.next[packed.next[:, 4] != 0]
+        parents, tokens, carriers = rows[:, [0, 1, 3]].long().T.tolist()
+        beams = packed.beams[:num_beams]
+        ended = (beams[:, 0] != 0).tolist()
+        eos_scores: list[float | None] = [None] * len(ended)
+        if any(ended):
+            scores = beams[:, 1].tolist()
+            eos_scores = [s if e else None for e, s in zip(ended, scores, strict=True)]
         return cls(
-            parents=[int(r[0]) for r in rows],
-            tokens=[int(r[1]) for r in rows],
-            scores=[r[2] for r in rows],
-            carriers=[int(r[3]) for r in rows],
-            eos_scores=[b[1] if b[0] else None for b in beams],
-            leaf_done=[bool(b[2]) for b in beams],
+            parents=parents,
+            tokens=tokens,
+            scores=rows[:, 2].tolist(),
+            carriers=carriers,
+            eos_scores=eos_scores,
+            leaf_done=(beams[:, 2] != 0).tolist(),
         )
 
 

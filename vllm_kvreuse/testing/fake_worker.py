@@ -26,6 +26,10 @@ _STATES: weakref.WeakKeyDictionary[Any, dict[str, GroupState]] = (
     weakref.WeakKeyDictionary()
 )
 """Each scheduler's stand-in worker's live groups (the runner keeps them)."""
+_LAST: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+"""Each scheduler's stand-in worker's last sample per request, the next
+step's input as a runner keeps it (a request stepped outside upstream's
+loop has no token appended scheduler-side: a beam group stepped as one)."""
 
 
 def made_up_logits(
@@ -58,9 +62,14 @@ def model_output(
     sampled = torch.full((len(req_ids),), token, dtype=torch.int64)
     vocab = scheduler.vllm_config.model_config.get_vocab_size()
     rows = torch.zeros(len(req_ids), vocab)
+    kept = _LAST.setdefault(scheduler, {})
+    cached = output.scheduled_cached_reqs
+    running = set(cached.req_ids) - set(cached.resumed_req_ids)
     for rid, i in index.items():
         request = scheduler.requests.get(rid)
         last = request.all_token_ids[-1] if request is not None else 0
+        if rid in running and rid in kept:  # the runner's own last sample
+            last = kept[rid]
         rows[i] = made_up_logits(int(last), vocab, variant, eos)
     results: dict[str, Any] = {}
     steps = steps_of(output)
@@ -70,6 +79,7 @@ def model_output(
         job.prepare(rows)
         job.finish(sampled)
         results = job.results
+    kept.update((rid, int(sampled[i])) for rid, i in index.items() if rid in sampling)
     out = ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index=index,

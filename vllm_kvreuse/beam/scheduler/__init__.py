@@ -10,6 +10,8 @@
 - ``as_one.py``: live groups stepped as one: members out of upstream's
   loop, each step added whole as extra rows (a group costs the host one
   request);
+- ``lineage.py``: a group stepped as one keeps its beams as back-pointers,
+  sequences built when read;
 - ``sit_out.py``: which live members sit out a schedule, so that a group
   steps whole (groups stepped member by member);
 - ``fork.py``: one new request per beam per step, ranked on the host (the

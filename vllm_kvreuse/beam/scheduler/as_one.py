@@ -27,9 +27,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_kvreuse.beam.plan import GroupResult, GroupStep
+from vllm_kvreuse.beam.rule import best
 from vllm_kvreuse.beam.scheduler.group import Phase
+from vllm_kvreuse.beam.scheduler.lineage import Lineage
+from vllm_kvreuse.core.upstream.extra_rows import extra_rows
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -55,6 +61,7 @@ class OneRequestSteps:
         self._rows = core.extra_rows
         self.stepping: list[BeamGroup] = []
         self.num_taken = 0  # groups stepped as one (a metric of the tests)
+        self.num_moved = 0  # members that took another beam (KV copied)
 
     def take(self, group: BeamGroup) -> None:
         """Right after the members' first step is scheduled: reserves the
@@ -88,23 +95,100 @@ class OneRequestSteps:
             if any(ids):
                 group.new_blocks[member.request_id] = ids
         group.tables = [upstream.block_ids_of(rid) for rid in group.members]
+        for member in members:
+            self.core.holds.hold(member, REASON)
         group.as_one = True
         self.num_taken += 1
 
+    def take_started(self, steps: list[GroupStep]) -> None:
+        """Takes every group whose members' first step ``steps`` plans."""
+        for step in steps:
+            group = self._groups.by_root(step.group_id)
+            if step.kind == "start" and group is not None:
+                self.take(group)
+
+    def count_rows(self, scheduler_output: SchedulerOutput) -> None:
+        """The tokens a step's extra rows computed (they have no outputs
+        of their own to count them)."""
+        rows = extra_rows(scheduler_output)
+        for group in self._groups:
+            if group.members and group.members[0] in rows:
+                group.num_member_computed_tokens += len(group.members)
+
     def leave(self, request: Request) -> None:
-        """A member was preempted: its group goes back to member by member."""
+        """A member was preempted: its group goes back to member by member
+        (its beams and its members' histories built first)."""
         group = self._groups.get(request.request_id)
         if group is not None and group.as_one:
+            self.sync(group)
             group.as_one, group.tables = False, None
+            for request_id in group.members:
+                self.core.holds.release(request_id, REASON)
+
+    # -- its steps, as back-pointers (:mod:`.lineage`) -----------------------------
+
+    @staticmethod
+    def follows_lazily(group: BeamGroup) -> bool:
+        """Whether the group's next result is kept as back-pointers: its
+        steps after the members' first (which upstream ran) while stepped
+        as one."""
+        return group.as_one and group.step >= 2
+
+    def advance(
+        self, group: BeamGroup, result: GroupResult
+    ) -> list[BeamSearchSequence] | None:
+        """Applies a step the workers ran (they moved the beams onto their
+        members): records it; returns the final beams if the group ends."""
+        lineage = group.lineage
+        if lineage is None:
+            first = self.core.upstream.requests[group.members[0]]
+            lineage = group.lineage = Lineage.begin(
+                group.beams, first.num_output_tokens
+            )
+        before = lineage.current_carriers(group.members)
+        was = np.asarray(before)[np.asarray(result.parents, dtype=np.int64)]
+        moved = int((was != np.asarray(result.carriers)).sum())
+        size, start = self.core.block_size, group.prompt_len
+        length = start + group.step  # each member's tokens, before this step's
+        group.num_forks += moved
+        group.num_copied_blocks += moved * (-(-length // size) - start // size)
+        nodes = group.rule.next_nodes(lineage.nodes, result.parents, result.tokens)
+        lineage.record(result, nodes, group.config.eos_token_id)
+        group.step += 1
+        self.num_moved += moved
+        if group.step < group.config.max_tokens and result.parents:
+            return None
+        return best(
+            [*group.completed, *lineage.completed(group.config)],
+            lineage.sequences(),
+            group.config,
+        )
+
+    def sync(self, group: BeamGroup) -> None:
+        """Builds the group's beams from its back-pointers, and each
+        member's token history: its beam's (a member that carries none:
+        the first beam's, at the same length); then forgets them."""
+        lineage = group.lineage
+        if lineage is None:
+            return
+        group.beams = lineage.beams(group.members)
+        group.completed += lineage.completed(group.config)
+        group.lineage = None
+        carried = {beam.request_id: beam.seq.tokens for beam in group.beams}
+        requests = self.core.upstream.requests
+        for request_id in group.members:
+            member = requests.get(request_id)
+            if member is not None:
+                tokens = carried.get(request_id, group.beams[0].seq.tokens)
+                self.core.upstream.rewrite(member, group.prompt_len, tokens)
 
     # -- around one schedule() -----------------------------------------------------
 
     def hold(self, groups: Iterable[BeamGroup]) -> None:
-        """Before ``schedule()``: every member of a group stepped as one is
-        out of it; the groups whose next step is due and fits the token
-        budget (oldest first) borrow it."""
-        holds = self.core.holds
-        holds.release_all(REASON)
+        """Before ``schedule()``: the groups whose next step is due and
+        fits the token budget (oldest first) borrow it. (Their members are
+        held out of every ``schedule()`` from :meth:`take` to :meth:`leave`
+        or their end.)"""
         budget = self._rows.token_budget()
         self.stepping = []
         for group in groups:
@@ -113,8 +197,6 @@ class OneRequestSteps:
             members = self._members(group)
             if members is None:
                 continue
-            for member in members:
-                holds.hold(member, REASON)
             if self._due(group, members) and group.config.width <= budget:
                 budget -= group.config.width
                 self.stepping.append(group)
@@ -124,9 +206,14 @@ class OneRequestSteps:
         """After ``schedule()``: the picked groups' steps, one row a member."""
         requests = self.core.upstream.requests
         for group in self.stepping:
-            if self._groups.has(group) and group.as_one:
-                members = [requests[rid] for rid in group.members]
-                self._rows.add(output, members, group.new_blocks)
+            if not (self._groups.has(group) and group.as_one):
+                continue
+            if not all(map(self._rows.ran_last_step, group.members)):
+                self.sync(group)  # the workers get its members' lists whole
+            members = [requests[rid] for rid in group.members]
+            lineage = group.lineage
+            count = lineage.outputs + lineage.num_steps if lineage else None
+            self._rows.add(output, members, group.new_blocks, count)
         self.stepping = []
 
     # -- helpers -------------------------------------------------------------------

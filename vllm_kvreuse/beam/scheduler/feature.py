@@ -68,7 +68,6 @@ from vllm_kvreuse.beam.scheduler.group_rule import rule_for
 from vllm_kvreuse.beam.scheduler.groups import OWNER, GroupTable
 from vllm_kvreuse.beam.scheduler.live import LiveSteps
 from vllm_kvreuse.core.feature import Feature
-from vllm_kvreuse.core.upstream.extra_rows import extra_rows
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -157,10 +156,7 @@ class EngineBeamSearch(Feature):
         if self.groups:
             self.as_one.add_rows(output)
             planned = self.live_steps.plan(self.groups, output)
-            for step in planned:
-                group = self.groups.by_root(step.group_id)
-                if step.kind == "start" and group is not None:
-                    self.as_one.take(group)
+            self.as_one.take_started(planned)
             steps += planned
         if steps:
             put_steps(output, steps)
@@ -171,9 +167,7 @@ class EngineBeamSearch(Feature):
         """The workers' results of the step's groups
         (:mod:`~vllm_kvreuse.beam.plan`)."""
         self.live_steps.outputs_arrive(scheduler_output, self.groups)
-        for request_id in extra_rows(scheduler_output):  # no outputs of their own
-            if (group := self.groups.get(request_id)) is not None:
-                group.num_member_computed_tokens += 1
+        self.as_one.count_rows(scheduler_output)
         results = results_of(model_output)
         for step in steps_of(scheduler_output):
             group = self.groups.by_root(step.group_id)
@@ -188,9 +182,10 @@ class EngineBeamSearch(Feature):
                     "sampler patched? see docs/engine_beam_search.md)",
                 )
                 continue
-            group.result = GroupResult.unpack(packed, len(group.beams))
+            group.result = GroupResult.unpack(packed, group.num_beams)
             group.delivered.clear()
-            if group.phase is Phase.LIVE:  # the workers have applied it
+            live = group.phase is Phase.LIVE  # the workers have applied it
+            if live and not self.as_one.follows_lazily(group):
                 group.snapshots = self.live_steps.snapshot(group, group.result)
 
     def on_internal_output(self, output: EngineCoreOutput) -> None:
@@ -291,6 +286,12 @@ class EngineBeamSearch(Feature):
             return  # dropped meanwhile
         config, result = group.config, group.result
         group.result = None
+        if result is not None and self.as_one.follows_lazily(group):
+            final = self.as_one.advance(group, result)
+            if final is not None:
+                self._emit(group, FinishReason.STOP, final)
+                self.groups.drop(group)
+            return
         if result is not None:
             step, nodes = group.rule.device_step(result, group.beams, config)
         else:

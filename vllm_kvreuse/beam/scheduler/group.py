@@ -30,6 +30,7 @@ from vllm_kvreuse.beam.plan import GroupResult, GroupStep
 from vllm_kvreuse.beam.result import BeamOut, BeamResult
 from vllm_kvreuse.beam.rule import Beam, BeamConfig, Row
 from vllm_kvreuse.beam.scheduler.group_rule import PlainRule
+from vllm_kvreuse.beam.scheduler.lineage import Lineage
 from vllm_kvreuse.core.internal import derived_request
 from vllm_kvreuse.core.request_keys import PARENT
 from vllm_kvreuse.core.upstream.requests import never_stop, share_block_hashes
@@ -79,6 +80,9 @@ class BeamGroup:
     as_one: bool = False
     new_blocks: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     tables: list[tuple[list[int], ...]] | None = None
+    # Its beams as back-pointers while stepped as one (:mod:`.lineage`):
+    # ``beams`` are then those it began with.
+    lineage: Lineage | None = None
     result: GroupResult | None = None
     snapshots: dict[int, tuple[int, list[int] | None]] = field(default_factory=dict)
     rows: dict[str, Row] = field(default_factory=dict)
@@ -112,6 +116,11 @@ class BeamGroup:
     @property
     def prompt_len(self) -> int:
         return self.root.num_prompt_tokens
+
+    @property
+    def num_beams(self) -> int:
+        """This step's beams."""
+        return self.lineage.num_beams if self.lineage else len(self.beams)
 
     @property
     def member_ids(self) -> list[str]:

@@ -47,11 +47,14 @@ class PlainRule:
             result.parents, result.tokens, result.scores, result.eos_scores,
             result.leaf_done, beams, config,
         )  # fmt: skip
-        return step, self.next_nodes(beams, result.parents, result.tokens)
+        nodes = [beam.node for beam in beams]
+        return step, self.next_nodes(nodes, result.parents, result.tokens)
 
     def next_nodes(
-        self, beams: Sequence[Beam], parents: list[int], tokens: list[int]
+        self, nodes: Sequence[int], parents: list[int], tokens: list[int]
     ) -> list[int]:
+        """Each next beam's trie node, from its parent's (``nodes``: the
+        current beams')."""
         return []
 
     def fork_args(self, nodes: list[int], config: BeamConfig) -> list[dict[str, int]]:
@@ -73,13 +76,14 @@ class CatalogRule(PlainRule):
         return constrained.step, constrained.nodes
 
     def next_nodes(
-        self, beams: Sequence[Beam], parents: list[int], tokens: list[int]
+        self, nodes: Sequence[int], parents: list[int], tokens: list[int]
     ) -> list[int]:
         if not parents:
             return []
         device = self.catalog.device
-        nodes = torch.tensor([beams[p].node for p in parents], device=device)
-        children = self.catalog.child(nodes, torch.tensor(tokens, device=device))
+        parent_nodes = torch.tensor([nodes[p] for p in parents], device=device)
+        tokens_now = torch.tensor(tokens, device=device)
+        children = self.catalog.child(parent_nodes, tokens_now)
         assert bool((children >= 0).all()), "a live catalog beam left the catalog"
         return children.tolist()
 

@@ -61,6 +61,11 @@ class ExtraRows:
         if not self._scheduler.use_v2_model_runner:
             self._previous = set(self._scheduler.prev_step_scheduled_req_ids)
 
+    def ran_last_step(self, request_id: str) -> bool:
+        """Whether the previous step ran the request (V2 workers need no
+        resent token list: always True)."""
+        return self._scheduler.use_v2_model_runner or request_id in self._previous
+
     def token_budget(self) -> int:
         """Tokens the next ``schedule()`` may schedule, less those borrowed."""
         return self._scheduler.max_num_scheduled_tokens
@@ -83,10 +88,13 @@ class ExtraRows:
         output: SchedulerOutput,
         requests: Sequence[Request],
         new_blocks: dict[str, tuple[list[int], ...]],
+        num_output_tokens: int | None = None,
     ) -> None:
         """Adds one row per request to ``output``, computing its next
         position, with the block ids ``new_blocks`` names for it (taken);
-        each request is advanced past it and counted in flight."""
+        each request is advanced past it and counted in flight.
+        ``num_output_tokens``: the output tokens each request has, when its
+        own list is not kept (a group stepped as one keeps back-pointers)."""
         if not requests:
             return
         scheduler = self._scheduler
@@ -106,7 +114,11 @@ class ExtraRows:
         # step in flight (upstream counts its own as placeholders; an extra
         # row's only as in flight; both are in flight). Fewer, and a V1
         # runner would cut its own list.
-        outputs = [r.num_output_tokens + r.num_in_flight_tokens for r in requests]
+        outputs = [
+            (r.num_output_tokens if num_output_tokens is None else num_output_tokens)
+            + r.num_in_flight_tokens
+            for r in requests
+        ]
         seq = scheduler.sched_step_seq if fence else None
         positions = [request_state.run_one(r, seq) for r in requests]
         blocks = [new_blocks.pop(rid, None) for rid in ids]

@@ -129,6 +129,18 @@ def adopt(
         request._output_token_ids[length - num_prompt] = token
 
 
+def rewrite(request: Request, start: int, tokens: list[int]) -> None:
+    """Makes the request's tokens ``tokens`` (which agree with its own
+    before ``start``, and are at least as many), the rest appended as
+    upstream appends a sample (block hashes included). Computed counts and
+    blocks stay (the workers hold that KV)."""
+    num = len(request._all_token_ids)
+    assert len(tokens) >= num > start, "a rewrite shortens the request"
+    adopt(request, start, num - 1, tokens[start : num - 1], tokens[num - 1])
+    if len(tokens) > num:
+        request.append_output_token_ids(tokens[num:])
+
+
 def unsample(request: Request, hash_block_size: int) -> None:
     """Takes back the request's last sampled token and the hash of a
     block it completed: it will compute that position again."""

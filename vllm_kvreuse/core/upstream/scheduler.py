@@ -122,6 +122,7 @@ class Upstream:
     settle_rows = staticmethod(request_state.settle_rows)
     history = staticmethod(request_state.history)
     adopt = staticmethod(request_state.adopt)
+    rewrite = staticmethod(request_state.rewrite)
 
     def unsample(self, request: Request) -> None:
         """Takes back the request's last sampled token (:func:`.requests.unsample`)."""
