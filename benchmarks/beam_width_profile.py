@@ -13,6 +13,8 @@ time.
 
 ``--sampling`` also times ``n = width`` sampling of the same length on the
 same engine (what a user compares a beam search with) and prints beams / n.
+``--searches K`` runs K searches (and K samplings) at once, each on its own
+prompt: ``--searches 16 --widths 50`` is 16 concurrent searches of width 50.
 
 ``--compare`` also times, in the same engine, the previous design of engine
 beam search (a new one-token request per beam per step, which the engine
@@ -41,6 +43,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--searches",
+        type=int,
+        default=1,
+        help="searches (and n = width samplings) run at once, each its own prompt",
+    )
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--plain", action="store_true", help="vLLM's own beam search")
     parser.add_argument(
@@ -70,8 +78,8 @@ def main() -> None:
         args.model, dtype="float32", enforce_eager=True,
         max_model_len=args.prompt_tokens + args.max_tokens + 32,
         max_logprobs=2 * max(args.widths) + 1,
-        max_num_seqs=max(256, *args.widths),
-        max_num_batched_tokens=max(8192, *args.widths),
+        max_num_seqs=max(256, *(w * args.searches for w in args.widths)),
+        max_num_batched_tokens=max(8192, *(w * args.searches for w in args.widths)),
         engine_beam_search=not args.plain,
     )  # fmt: skip
     beam = None
@@ -84,27 +92,33 @@ def main() -> None:
         rng = random.Random(next(numbers))
         return [rng.randrange(10, 600) for _ in range(args.prompt_tokens)]
 
+    def prompts() -> list[dict]:
+        return [{"prompt_token_ids": fresh_prompt()} for _ in range(args.searches)]
+
     def search(width: int) -> float:
-        tokens = fresh_prompt()
+        batch = prompts()
         params = BeamSearchParams(
             beam_width=width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
         )
         start = time.perf_counter()
-        llm.beam_search([{"prompt_token_ids": tokens}], params)
+        llm.beam_search(batch, params, concurrency_limit=args.searches)
         return time.perf_counter() - start
 
     def sample(width: int) -> float:
-        tokens = fresh_prompt()
+        batch = prompts()
         params = SamplingParams(
             n=width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
         )
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+        llm.generate(batch, params, use_tqdm=False)
         return time.perf_counter() - start
 
     mode = "vLLM's beam search" if args.plain else "engine beam search"
     rows = "ignore_eos" if args.ignore_eos else "EOS ends beams"
-    print(f"{mode}, {args.model}, {args.prompt_tokens}-token prompts, {rows}")
+    print(
+        f"{mode}, {args.model}, {args.prompt_tokens}-token prompts, {rows}, "
+        f"{args.searches} at once"
+    )
 
     def per_step(on: bool) -> None:
         # Benchmark-only switch: the feature's own check, answered "no".
