@@ -69,8 +69,9 @@ def place_chunks(
             (start, length),
             provenance,
             rules,
-            (request.request_id, exact),
             held,
+            owner_id=request.request_id,
+            exact=exact,
         )
         chunks.append(chunk)
         spans += chunk_spans
@@ -94,15 +95,17 @@ def _place(
     where: tuple[int, int],
     provenance: Provenance,
     rules: list[Span],
-    owner: tuple[str, bool],
     held: list[tuple[bytes, Entry]],
+    *,
+    owner_id: str,
+    exact: bool,
 ) -> tuple[PlannedChunk, list[Span]]:
     """One chunk's part of the plan (``where``: its start and length), and
     the positions of it computed. A chunk it loads is pinned at once (added
-    to ``held``). ``owner``: the request's id, and whether it loads only
-    exact chunks."""
+    to ``held``). ``owner_id``: the request that saves it if it is new;
+    ``exact``: only a chunk stored after the same tokens is loaded."""
     start, length = where
-    (owner_id, exact), whole = owner, (start, start + length)
+    whole = (start, start + length)
     origin = provenance.origin(key)
     entry = store.hold(key)
     if entry is None and not store.is_known(key):

@@ -134,6 +134,11 @@ class Arming:
         return armed
 
 
+IN_FLIGHT_ATTR = "kvreuse_split_rows"
+"""A scheduler output's own attribute: each request it split into rows and
+the tokens those rows ran (:meth:`StepRows.settle` squares them)."""
+
+
 class StepRows:
     """The scheduler side of one-pass steps, around each schedule(): lends
     free seats as rows, splits armed requests into rows once scheduled,
@@ -148,8 +153,6 @@ class StepRows:
         self._upstream = upstream
         self._lent = 0
         self._to_end: list[str] = []
-        # id(scheduler output) -> (request id, tokens its rows ran)
-        self._in_flight: dict[int, list[tuple[str, int]]] = {}
         # Row requests compute KV; the one token each samples is dropped.
         self._params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
@@ -189,14 +192,14 @@ class StepRows:
             self._to_end += ids
             last = rows.rows[-1][1] - rows.rows[-1][0]
             settled.append((request_id, rows.num_tokens - last))
-        if settled:
-            self._in_flight[id(output)] = settled
+        if settled:  # on the output itself: settled when it comes back
+            vars(output)[IN_FLIGHT_ATTR] = settled
         return missed
 
     def settle(self, output: SchedulerOutput) -> None:
         """``output``'s step came back: its split requests' in-flight counts
         drop the tokens their rows ran (upstream drops their own)."""
-        for request_id, num_tokens in self._in_flight.pop(id(output), ()):
+        for request_id, num_tokens in vars(output).pop(IN_FLIGHT_ATTR, ()):
             request = self._upstream.requests.get(request_id)
             if request is not None:
                 self._upstream.settle_rows(request, num_tokens)
