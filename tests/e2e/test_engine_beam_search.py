@@ -66,6 +66,7 @@ def test_forks_and_usage_are_reported(servers) -> None:
     before = engine.metric("vllm_kvreuse:beam_forks_total")
     groups = engine.metric("vllm_kvreuse:beam_groups_total")
     computed = engine.metric("vllm_kvreuse:beam_computed_prompt_tokens_total")
+    as_one = engine.metric("vllm_kvreuse:beam_steps_as_one_total")
     result = beams(engine, prompt(99, 70), width=4, max_tokens=3)
     assert result["usage"]["prompt_tokens_details"] is not None
     assert engine.metric("vllm_kvreuse:beam_groups_total") == groups + 1
@@ -75,6 +76,8 @@ def test_forks_and_usage_are_reported(servers) -> None:
     assert (
         engine.metric("vllm_kvreuse:beam_computed_prompt_tokens_total") == computed + 8
     )
+    # Step 3 ran as one request (the members' first, step 2, is vLLM's).
+    assert engine.metric("vllm_kvreuse:beam_steps_as_one_total") == as_one + 1
 
 
 def test_width_over_the_running_seats_is_400(servers) -> None:

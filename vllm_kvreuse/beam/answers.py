@@ -30,7 +30,12 @@ def take_beams(final: RequestOutput) -> list[BeamOut] | None:
     result = decode(outputs[0].stop_reason) if outputs else None
     if result is None:
         return None
-    count_beam_group(result.forks, result.copied_blocks, result.member_computed_tokens)
+    count_beam_group(
+        result.forks,
+        result.copied_blocks,
+        result.member_computed_tokens,
+        result.steps_as_one,
+    )
     return result.beams
 
 

@@ -6,7 +6,10 @@ from vllm_kvreuse.metrics import counter
 
 
 def count_beam_group(
-    num_forks: int, num_copied_blocks: int, num_member_computed_tokens: int
+    num_forks: int,
+    num_copied_blocks: int,
+    num_member_computed_tokens: int,
+    num_steps_as_one: int = 0,
 ) -> None:
     counter("beam_groups", "Beam searches run inside the engine.").inc()
     counter(
@@ -25,3 +28,8 @@ def count_beam_group(
         "root request, which vLLM's prompt-token metrics count); their outputs "
         "never reach the frontend, so vLLM's metrics do not see them.",
     ).inc(num_member_computed_tokens)
+    counter(
+        "beam_steps_as_one",
+        "Beam steps a group ran as one request: its members out of vLLM's "
+        "scheduling loop, the step added whole (engine beam search).",
+    ).inc(num_steps_as_one)

@@ -44,6 +44,7 @@ class BeamResult(msgspec.Struct, frozen=True):
     forks: int = 0
     copied_blocks: int = 0
     member_computed_tokens: int = 0
+    steps_as_one: int = 0
 
 
 def encode(result: BeamResult) -> str:

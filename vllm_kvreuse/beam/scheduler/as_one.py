@@ -114,6 +114,7 @@ class OneRequestSteps:
         for group in self._groups:
             if group.members and group.members[0] in rows:
                 group.num_member_computed_tokens += len(group.members)
+                group.num_steps_as_one += 1
 
     def leave(self, request: Request) -> None:
         """A member was preempted: its group goes back to member by member

@@ -100,6 +100,7 @@ class BeamGroup:
     # Prompt tokens the beams computed. Their outputs never reach the
     # frontend, so vLLM's own prompt-token metrics do not see them.
     num_member_computed_tokens: int = 0
+    num_steps_as_one: int = 0  # steps run as extra rows (:mod:`.as_one`)
 
     @classmethod
     def start(cls, root: Request, config: BeamConfig, rule: PlainRule) -> BeamGroup:
@@ -191,6 +192,7 @@ class BeamGroup:
             forks=self.num_forks,
             copied_blocks=self.num_copied_blocks,
             member_computed_tokens=self.num_member_computed_tokens,
+            steps_as_one=self.num_steps_as_one,
         )
 
 
