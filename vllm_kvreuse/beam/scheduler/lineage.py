@@ -73,7 +73,8 @@ class Lineage:
         """The member index of each current beam."""
         if self.carriers:
             return self.carriers[-1]
-        return [members.index(beam.request_id) for beam in self.base]
+        index = {request_id: i for i, request_id in enumerate(members)}
+        return [index[beam.request_id] for beam in self.base]
 
     def cum(self, beam: int) -> float:
         """Current beam ``beam``'s score."""
