@@ -21,7 +21,10 @@ each member asks for its top ``W`` log-probs (``BeamConfig.row_size``);
 
 Each ``LLMEngine.step`` is timed whole and by part; the model is the
 model's forward plus ``compute_logits`` (module hooks, so both runners are
-timed alike); everything else is overhead:
+timed alike); ``kvcopy`` is the beams' copy-on-write block copies (KV data
+moved from a parent's member to a child's: device work like the forward,
+one gather and one scatter per layer on a GPU, whatever the width; on a CPU
+a memcpy per block and layer); everything else is overhead:
 
 - ``sched``: ``Scheduler.schedule`` (admission, prefix/ledger lookups,
   block allocation, the beam gate);
@@ -170,10 +173,12 @@ class Timers:
         self.wrap(beam, "_advance", "rank")
         self.wrap(beam.groups, "spawn", "spawn")
         self.wrap(beam.live_steps, "apply", "reseat")
+        from vllm_kvreuse.beam.worker import runner_hooks
         from vllm_kvreuse.beam.worker.job import BeamJob
 
         self.wrap(BeamJob, "prepare", "select")
         self.wrap(BeamJob, "finish", "select")
+        self.wrap(runner_hooks, "copy_blocks_indexed", "kvcopy")
         schedule = scheduler.schedule
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:
@@ -215,9 +220,10 @@ def breakdown(step: Step) -> dict[str, float]:
     """Milliseconds by part; ``model`` is forward + logits."""
     out = {part: step.ns.get(part, 0) / 1e6 for part in PARTS}
     out["model"] = (step.ns.get("forward", 0) + step.ns.get("logits", 0)) / 1e6
+    out["kvcopy"] = step.ns.get("kvcopy", 0) / 1e6
     out["overhead"] = sum(out[part] for part in PARTS)
     out["engine"] = out["overhead"] - out["front"]  # without the frontend
-    out["wall"] = out["overhead"] + out["model"]
+    out["wall"] = out["overhead"] + out["model"] + out["kvcopy"]
     return out
 
 
@@ -331,7 +337,8 @@ def main() -> None:
         f"{args.block_size}-token blocks, {args.clock} clock, "
         f"{args.steps} steps x {args.repeats} runs per mode; ms per step, medians"
     )
-    header = " ".join(f"{p:>7}" for p in (*PARTS, "overhead", "model", "wall"))
+    columns = (*PARTS, "overhead", "model", "kvcopy", "wall")
+    header = " ".join(f"{p:>7}" for p in columns)
     summary = []
     for width in args.widths:
         beams(width), decode(width)  # warm-up
@@ -352,10 +359,8 @@ def main() -> None:
                 print(f"{mode:<14} no step ran {width} rows")
                 continue
             result[mode] = m = medians(steps)
-            cells = " ".join(f"{m[p]:7.2f}" for p in (*PARTS, "overhead"))
-            print(
-                f"{mode:<10}n={len(steps):<3}{cells} {m['model']:7.2f} {m['wall']:7.2f}"
-            )
+            cells = " ".join(f"{m[p]:7.2f}" for p in columns)
+            print(f"{mode:<10}n={len(steps):<3}{cells}")
         if "beams" in result and "decode" in result:
             ratio = result["beams"]["overhead"] / result["decode"]["overhead"]
             ratio_lp = float("nan")

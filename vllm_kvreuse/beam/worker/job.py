@@ -31,12 +31,16 @@ import torch
 
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
 from vllm_kvreuse.beam.plan import GroupStep, PackedResult
+from vllm_kvreuse.beam.worker.segments import (
+    Segments,
+    block_pairs,
+    members_per_group,
+)
 from vllm_kvreuse.beam.worker.select import (
     Rule,
     Selection,
-    carriers,
-    select_catalog,
-    select_plain,
+    select_catalog_rows,
+    select_rows,
 )
 
 BlockCopier = Callable[[torch.Tensor, torch.Tensor], None]
@@ -84,13 +88,15 @@ class GroupState:
 
 @dataclass(slots=True)
 class _Prepared:
-    step: GroupStep
-    rows: torch.Tensor  # [M] logits rows of the members, member order
-    logits: torch.Tensor  # [M, V] raw logits (a copy)
+    steps: list[GroupStep]  # the step's groups that select, in order
+    rows: torch.Tensor  # [R] logits rows of their members, group after group
+    logits: torch.Tensor  # [R, V] raw logits (a copy)
 
 
 class BeamJob:
-    """The beam groups of one sampler call.
+    """The beam groups of one sampler call, selected together: one batch
+    per kind of group (plain, catalog), however many groups
+    (:mod:`.segments`).
 
     ``states``: the runner's live groups by id (read and advanced);
     ``catalog``: loads the SID catalog (catalog groups only); ``row_of``:
@@ -112,142 +118,207 @@ class BeamJob:
         self._catalog = catalog
         self.row_of = row_of
         self._copy_blocks = copy_blocks
-        self._prepared: list[_Prepared] = []
+        self._prepared: _Prepared | None = None
         self.results: dict[str, PackedResult] = {}
 
     def prepare(
         self, logits: torch.Tensor, row_of: Mapping[str, int] | None = None
     ) -> None:
-        """Copies each group's raw logits rows (``row_of``: request id ->
-        row of ``logits``; default: the job's); forgets ended groups."""
+        """Copies the groups' raw logits rows (``row_of``: request id -> row
+        of ``logits``; default: the job's); forgets ended groups."""
         row_of = self.row_of if row_of is None else row_of
         assert row_of is not None, "the runner names no logits rows"
-        device = logits.device
+        live = []
         for step in self.steps:
             if step.kind == "end":
                 self.states.pop(step.group_id, None)
-                continue
-            missing = [m for m in step.member_ids if m not in row_of]
-            if missing:
-                raise BeamStepError(
-                    f"beam group {step.group_id}: members {missing[:4]} are not in "
-                    "this batch"
-                )
-            rows = torch.tensor([row_of[m] for m in step.member_ids], device=device)
-            self._prepared.append(_Prepared(step, rows, logits[rows]))
+            else:
+                live.append(step)
+        if not live:
+            return
+        ids = [row_of.get(m, -1) for step in live for m in step.member_ids]
+        if -1 in ids:
+            for step in live:
+                missing = [m for m in step.member_ids if m not in row_of]
+                if missing:
+                    raise BeamStepError(
+                        f"beam group {step.group_id}: members {missing[:4]} are "
+                        "not in this batch"
+                    )
+        rows = torch.tensor(ids, device=logits.device)
+        self._prepared = _Prepared(live, rows, logits[rows])
 
     def finish(self, sampled: torch.Tensor) -> None:
-        """Runs each group's step and applies it (module docstring);
+        """Runs every group's step and applies it (module docstring);
         ``sampled``: ``[N, 1]`` or ``[N]``, the sampler's output, whose
         carriers' tokens are overwritten in place."""
+        prep, self._prepared = self._prepared, None
+        if prep is None:
+            return
         flat = sampled.view(-1)
-        for prep in self._prepared:
-            step = prep.step
-            device = prep.logits.device
-            if step.kind == "step":
-                if step.group_id not in self.states:
-                    raise BeamStepError(f"beam group {step.group_id}: no state here")
-                state = self.states[step.group_id]
-            else:
-                state = GroupState.of(step, device)
-            members = state.carriers  # each beam's member
-            sel = self._select(state, prep.logits[members], flat[prep.rows][members])
-            member = _members_of(sel, state)
-            # Each member row's token: its new beam's, else its own draw.
-            num = len(step.member_ids)
-            slot = torch.where(member >= 0, member, num)
-            tokens = torch.cat((flat[prep.rows], flat.new_zeros(1)))
-            tokens.scatter_(0, slot, sel.tokens.to(flat.dtype))
-            flat[prep.rows] = tokens[:num]
-            if step.kind != "root":
-                self._copy(step, sel, members[sel.parents], member)
-                self.states[step.group_id] = self._advanced(state, sel, member)
-            self.results[step.group_id] = _pack(sel, member)
-        self._prepared.clear()
+        starts, total = [], 0
+        for step in prep.steps:
+            starts.append(total)
+            total += len(step.member_ids)
+        for catalog in (False, True):
+            picked = [i for i, s in enumerate(prep.steps) if s.catalog == catalog]
+            if not picked:
+                continue
+            steps = [prep.steps[i] for i in picked]
+            rows, logits = prep.rows, prep.logits
+            if len(picked) < len(prep.steps):
+                span = [
+                    p
+                    for i in picked
+                    for p in range(starts[i], starts[i] + len(prep.steps[i].member_ids))
+                ]
+                index = torch.tensor(span, device=rows.device)
+                rows, logits = rows[index], logits[index]
+            self._run(steps, rows, logits, flat)
+
+    def _run(
+        self,
+        steps: list[GroupStep],
+        rows: torch.Tensor,
+        logits: torch.Tensor,
+        flat: torch.Tensor,
+    ) -> None:
+        """One batch of groups of one kind: ``rows``/``logits`` their
+        members', group after group."""
+        device = logits.device
+        states = [self._state_of(step, device) for step in steps]
+        seg = Segments.of(
+            [len(s.carriers) for s in states], [s.rule.width for s in states],
+            [s.rule.eos for s in states], [s.rule.row_size for s in states], device,
+        )  # fmt: skip
+        assert seg.total_rows == len(rows), "a group's slots are its members"
+        carried_by = torch.cat([s.carriers for s in states])
+        alive = torch.cat([s.alive for s in states])
+        beam_rows = seg.row_start[seg.group] + carried_by
+        sampled = flat[rows]
+        nodes = None
+        if steps[0].catalog:
+            nodes = torch.cat([s.nodes for s in states if s.nodes is not None])
+        sel = self._select(
+            seg, logits[beam_rows], torch.cat([s.cum for s in states]), alive,
+            sampled[beam_rows], nodes,
+        )  # fmt: skip
+        member = members_per_group(seg, carried_by, alive, sel.parents, sel.valid)
+        # Each member row's token: its new beam's, else its own draw.
+        total = seg.total_rows
+        slot = torch.where(member >= 0, seg.row_start[seg.out_group] + member, total)
+        tokens = torch.cat((sampled, flat.new_zeros(1)))
+        tokens.scatter_(0, slot, sel.tokens.to(flat.dtype))
+        flat[rows] = tokens[:total]
+        source = carried_by[seg.row_start[seg.out_group] + sel.parents]
+        self._copy(steps, seg, sel, source, member)
+        self._advance(steps, states, seg, sel, member, nodes)
+        nxt, beams = _pack(sel, member)
+        for step, out, mine in zip(
+            steps, seg.out_slices(), seg.row_slices(), strict=True
+        ):
+            self.results[step.group_id] = PackedResult(nxt[out], beams[mine])
+
+    def _state_of(self, step: GroupStep, device: torch.device) -> GroupState:
+        if step.kind != "step":
+            return GroupState.of(step, device)
+        if step.group_id not in self.states:
+            raise BeamStepError(f"beam group {step.group_id}: no state here")
+        return self.states[step.group_id]
 
     def _select(
-        self, state: GroupState, logits: torch.Tensor, sampled: torch.Tensor
+        self,
+        seg: Segments,
+        logits: torch.Tensor,
+        cum: torch.Tensor,
+        alive: torch.Tensor,
+        sampled: torch.Tensor,
+        nodes: torch.Tensor | None,
     ) -> Selection:
-        if not state.catalog:
-            return select_plain(
-                logits, state.cum, state.rule, sampled, alive=state.alive
-            )
+        if nodes is None:
+            return select_rows(logits, cum, seg, sampled, alive=alive)
         catalog = self._catalog()
-        assert catalog is not None and state.nodes is not None, "catalog group"
-        nodes = state.nodes.to(catalog.device)
-        children, _ = catalog.legal(nodes)
-        at_leaf = catalog.is_leaf(nodes)
+        assert catalog is not None, "catalog group"
+        at = nodes.to(catalog.device)
+        children, _ = catalog.legal(at)
+        at_leaf = catalog.is_leaf(at)
         device = logits.device
-        return select_catalog(
-            logits, state.cum, state.rule, children.to(device), at_leaf.to(device),
-            alive=state.alive,
-        )  # fmt: skip
+        return select_catalog_rows(
+            logits, cum, seg, children.to(device), at_leaf.to(device), alive=alive
+        )
 
     def _copy(
         self,
-        step: GroupStep,
+        steps: list[GroupStep],
+        seg: Segments,
         sel: Selection,
         source: torch.Tensor,
         member: torch.Tensor,
     ) -> None:
         """Copies each moved beam's parent's private blocks into the member
-        that now carries it (the others copy onto themselves, or, on CPU,
-        are left out)."""
-        if self._copy_blocks is None or not step.blocks or not step.blocks[0][0]:
+        that now carries it, every group's in one call (the others copy
+        onto themselves, or, on CPU, are left out); a root copies nothing."""
+        if self._copy_blocks is None:
+            return
+        per_member = [_private_count(step) for step in steps]
+        if not any(per_member):
             return
         moved = sel.valid & (member >= 0) & (member != source)
         dst_member = torch.where(moved, member, source)
-        device = member.device
-        srcs, dsts = [], []
-        for group in step.blocks:
-            ids = torch.tensor(group, dtype=torch.long, device=device)  # [M, k]
-            srcs.append(ids[source].flatten())
-            dsts.append(ids[dst_member].flatten())
-        src, dst = torch.cat(srcs), torch.cat(dsts)
-        if device.type == "cpu":
+        src, dst = block_pairs(
+            seg, per_member, [s.blocks for s in steps], source, dst_member
+        )
+        if src.device.type == "cpu":
             keep = src != dst
             src, dst = src[keep], dst[keep]
         self._copy_blocks(src, dst)
 
-    def _advanced(
-        self, state: GroupState, sel: Selection, member: torch.Tensor
-    ) -> GroupState:
-        nodes = state.nodes
+    def _advance(
+        self,
+        steps: list[GroupStep],
+        states: list[GroupState],
+        seg: Segments,
+        sel: Selection,
+        member: torch.Tensor,
+        nodes: torch.Tensor | None,
+    ) -> None:
+        """Each group's next state (a root's next step starts afresh)."""
+        if all(step.kind == "root" for step in steps):
+            return
         if nodes is not None:
             catalog = self._catalog()
             assert catalog is not None
-            parent_nodes = nodes[sel.parents].to(catalog.device)
-            child = catalog.child(parent_nodes, sel.tokens.to(catalog.device))
+            parent_nodes = nodes[seg.row_start[seg.out_group] + sel.parents]
+            child = catalog.child(
+                parent_nodes.to(catalog.device), sel.tokens.to(catalog.device)
+            )
             nodes = child.to(nodes.device).clamp(min=0)
         alive = sel.valid & (member >= 0)
-        return GroupState(
-            rule=state.rule,
-            catalog=state.catalog,
-            carriers=member.clamp(min=0),
-            cum=sel.scores,
-            nodes=nodes,
-            alive=alive,
-        )
+        carriers = member.clamp(min=0)
+        for step, state, out in zip(steps, states, seg.out_slices(), strict=True):
+            if step.kind == "root":
+                continue
+            self.states[step.group_id] = GroupState(
+                rule=state.rule,
+                catalog=state.catalog,
+                carriers=carriers[out],
+                cum=sel.scores[out],
+                nodes=None if nodes is None else nodes[out],
+                alive=alive[out],
+            )
 
 
-def _members_of(sel: Selection, state: GroupState) -> torch.Tensor:
-    """The member carrying each next beam (-1: none), in fixed shapes: the
-    slots of :func:`carriers` are the beams' members in beam order, then
-    the members that carry no beam, in member order."""
-    num = len(state.carriers)
-    device = state.carriers.device
-    order = torch.arange(num, device=device)
-    key = num + order  # a member with no beam sorts after every beam
-    target = torch.where(state.alive, state.carriers, num)
-    key = torch.cat((key, key.new_zeros(1))).scatter_(0, target, order)[:num]
-    slot_member = torch.argsort(key)
-    slot = carriers(sel.parents, sel.valid, num)
-    return torch.where(slot >= 0, slot_member[slot.clamp(min=0)], -1)
+def _private_count(step: GroupStep) -> int:
+    """Blocks per member a step may copy (a root copies none)."""
+    if step.kind == "root" or not step.blocks or not step.blocks[0]:
+        return 0
+    return len(step.blocks[0][0])
 
 
-def _pack(sel: Selection, member: torch.Tensor) -> PackedResult:
-    """The selection as two float64 tensors, copied to the host without
-    waiting (pinned memory on an accelerator)."""
+def _pack(sel: Selection, member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection as two float64 tensors, every group's rows, copied to
+    the host without waiting (pinned memory on an accelerator); each
+    group's :class:`PackedResult` is a view of them."""
     nxt = torch.stack(
         (sel.parents.double(), sel.tokens.double(), sel.scores, member.double(),
          sel.valid.double()),
@@ -259,7 +330,5 @@ def _pack(sel: Selection, member: torch.Tensor) -> PackedResult:
         dim=1,
     )  # fmt: skip
     if nxt.device.type == "cpu":
-        return PackedResult(nxt, beams)
-    return PackedResult(
-        nxt.to("cpu", non_blocking=True), beams.to("cpu", non_blocking=True)
-    )
+        return nxt, beams
+    return nxt.to("cpu", non_blocking=True), beams.to("cpu", non_blocking=True)

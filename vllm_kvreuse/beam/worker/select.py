@@ -1,10 +1,13 @@
-"""The beam step next to the logits: one group's next beams from its rows.
+"""The beam step next to the logits: each group's next beams from its rows.
 
 Pure torch on the logits' device, free of vLLM: the worker runs it inside
 the sampler (:mod:`vllm_kvreuse.beam.worker.job`), tests run it on CPU
 tensors. For a group of ``B`` beams (rows of logits) and width ``W`` it
 returns ``W`` (parent beam, token, score) triples and, per beam, whether it
-completes: nothing of a ``[B, V]`` log-prob row leaves the device.
+completes: nothing of a ``[B, V]`` log-prob row leaves the device. A step's
+groups are selected together, laid end to end
+(:mod:`~vllm_kvreuse.beam.worker.segments`): each group's answer is the one
+it gets alone, and the operations do not multiply with the groups.
 
 The rule is :mod:`vllm_kvreuse.beam.rule`'s (vLLM's front-end rule) with
 one total order for ties, the same on host and device:
@@ -22,10 +25,10 @@ one total order for ties, the same on host and device:
 - the next beams are the best ``W`` other candidates by score, ties to the
   lower beam index, then the lower token id.
 
-Two selections give that same answer. :func:`select_fixed` has fixed
+Two selections give that same answer. :func:`row_candidates` has fixed
 shapes (no host sync, for CUDA under async scheduling): each row's best
 ``W`` by a packed ``(logprob, -token)`` int64 key, then an exact stable
-sort of the ``B x W`` scores. :func:`select_pruned` (CPU, where a sync is
+sort of the ``B x W`` scores. :func:`threshold_candidates` (CPU, where a sync is
 free and a per-row top-``W`` of a wide vocabulary is the cost) finds a
 score that at least ``W`` candidates reach from each row's best few, keeps
 every candidate at or above it, and sorts only those.
@@ -41,6 +44,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vllm_kvreuse.beam.worker.segments import (
+    Segments,
+    best_per_group,
+    carriers_per_group,
+    group_counts,
+)
 
 NO_KEY = torch.iinfo(torch.int64).min
 """Packed key of a token that is no candidate (sorts below every real one)."""
@@ -107,30 +117,46 @@ def packed_keys(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def eos_rows(
-    logprobs: torch.Tensor, rule: Rule, sampled: torch.Tensor | None
+    logprobs: torch.Tensor, seg: Segments, sampled: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, whether EOS ends the beam, and EOS's log-prob: it is finite
-    and ranks in the row's best ``row_size`` (ties to the lower token id),
-    or the sampler drew it."""
-    eos = rule.eos
-    lp = logprobs[:, eos]
+    """Per row, whether EOS ends the beam, and EOS's log-prob (0 where the
+    group has no EOS): it is finite and ranks in the row's best
+    ``row_size`` (ties to the lower token id), or the sampler drew it."""
+    eos = seg.eos[seg.group]
+    ends = eos >= 0
+    token = eos.clamp(min=0)
+    lp = logprobs.gather(1, token[:, None]).squeeze(1)
     above = (logprobs > lp[:, None]).sum(dim=1)
-    above += (logprobs[:, :eos] == lp[:, None]).sum(dim=1)
-    done = above < rule.row_size
+    lower = torch.arange(logprobs.shape[1], device=logprobs.device) < token[:, None]
+    above += ((logprobs == lp[:, None]) & lower).sum(dim=1)
+    done = above < seg.row_size[seg.group]
     if sampled is not None:
-        done |= sampled.view(-1) == eos
-    return done & torch.isfinite(lp), lp
+        done |= sampled.view(-1) == token
+    done &= ends & torch.isfinite(lp)
+    return done, torch.where(ends, lp, 0.0)
 
 
-def row_candidates(logprobs: torch.Tensor, k: int, exclude: int) -> Candidates:
-    """Each row's best ``k`` (fixed shapes), as :class:`Candidates`;
-    ``exclude`` (a token id, or -1) is never one."""
+def _without_eos(logprobs: torch.Tensor, seg: Segments, fill: float) -> torch.Tensor:
+    """A copy of ``logprobs`` with each row's EOS (where its group has one)
+    set to ``fill``: EOS never competes for a place."""
+    if all(e < 0 for e in seg.eos_ids):
+        return logprobs
+    eos = seg.eos[seg.group]
+    token = eos.clamp(min=0)[:, None]
+    kept = logprobs.gather(1, token)
+    replaced = torch.where(eos[:, None] >= 0, torch.full_like(kept, fill), kept)
+    return logprobs.clone().scatter_(1, token, replaced)
+
+
+def row_candidates(logprobs: torch.Tensor, seg: Segments) -> Candidates:
+    """Each row's best ``max(width)`` (fixed shapes), as :class:`Candidates`
+    (a row of a narrower group offers more than it needs: its group's best
+    are among them); a row's EOS is never one."""
     num_rows, vocab = logprobs.shape
     tokens = torch.arange(vocab, device=logprobs.device)
     keys = packed_keys(logprobs, tokens.expand(num_rows, vocab))
-    if exclude >= 0:
-        keys[:, exclude] = NO_KEY
-    top, picked = keys.topk(min(k, vocab), dim=1)
+    keys = _without_eos(keys, seg, NO_KEY)
+    top, picked = keys.topk(min(max(seg.widths), vocab), dim=1)
     picked, order = picked.sort(dim=1)  # (beam, token) order for the tie rule
     top = top.gather(1, order)
     beams = torch.arange(num_rows, device=logprobs.device)[:, None].expand_as(picked)
@@ -143,43 +169,54 @@ def row_candidates(logprobs: torch.Tensor, k: int, exclude: int) -> Candidates:
 
 
 def threshold_candidates(
-    logprobs: torch.Tensor, cum: torch.Tensor, width: int, exclude: int
+    logprobs: torch.Tensor, cum: torch.Tensor, seg: Segments
 ) -> Candidates:
-    """Every candidate that can be among the best ``width`` (data-dependent
-    shapes; CPU). Each row's best few give a score at least ``width``
-    candidates reach (``bound``, exact in float64); a row whose few are all
-    at or above it may hold more and is scanned whole for candidates
-    scoring at least ``bound`` (an exact float64 bound applied to float32
-    log-probs); every other row's candidates are among its few."""
+    """Every candidate that can be among its group's best ``width``
+    (data-dependent shapes; CPU). Each row's best few give a score at least
+    ``width`` of its group's candidates reach (``bound``, exact in float64;
+    -inf where the group has fewer candidates than places); a row whose few
+    are all at or above it may hold more and is scanned whole for finite
+    candidates scoring at least ``bound`` (an exact float64 bound applied
+    to float32 log-probs); every other row's candidates are among its few."""
     num_rows, vocab = logprobs.shape
-    masked = logprobs
-    if exclude >= 0:
-        masked = logprobs.clone()
-        masked[:, exclude] = float("-inf")
-    few = min(vocab, max(1, -(-4 * width // num_rows)))
+    masked = _without_eos(logprobs, seg, float("-inf"))
+    pairs = zip(seg.widths, seg.rows, strict=True)
+    few = min(vocab, max(max(1, -(-4 * w // r)) for w, r in pairs))
     top = masked.topk(few, dim=1)
     scores = top.values.double() + cum[:, None]
-    finite = scores[torch.isfinite(scores)]
-    if len(finite) < width:  # fewer candidates than places: all of them
-        beams, tokens = torch.isfinite(masked).nonzero(as_tuple=True)
-        return _candidates(logprobs, beams, tokens)
-    bound = finite.topk(width).values[-1]
+    bound = _group_bounds(seg, scores)[seg.group]
     full = scores[:, -1] >= bound  # rows that may hold more than their few
-    keep = (scores >= bound) & ~full[:, None]
+    keep = (scores >= bound[:, None]) & ~full[:, None] & torch.isfinite(scores)
     beams = torch.arange(num_rows)[:, None].expand_as(keep)[keep]
     tokens = top.indices[keep]
     rows = full.nonzero().flatten()
     if len(rows):
-        floor = bound - cum[rows]  # a candidate's least log-prob, float64
+        floor = bound[rows] - cum[rows]  # a candidate's least log-prob, float64
         low = floor.float()
         low = torch.where(
             low.double() > floor, low.nextafter(low.new_tensor(-1e38)), low
         )
-        more_rows, more_tokens = (masked[rows] >= low[:, None]).nonzero(as_tuple=True)
+        scan = masked[rows]
+        more = (scan >= low[:, None]) & torch.isfinite(scan)
+        more_rows, more_tokens = more.nonzero(as_tuple=True)
         beams = torch.cat((beams, rows[more_rows]))
         tokens = torch.cat((tokens, more_tokens))
     order = torch.argsort(beams * vocab + tokens)  # (beam, token) order
     return _candidates(logprobs, beams[order], tokens[order])
+
+
+def _group_bounds(seg: Segments, scores: torch.Tensor) -> torch.Tensor:
+    """``[G]``: each group's ``width``-th best finite score among its rows'
+    ``scores [R, few]``; -inf where it has fewer."""
+    few = scores.shape[1]
+    flat = scores.flatten()
+    groups = seg.group.repeat_interleave(few)
+    order = torch.sort(-flat, stable=True).indices
+    order = order[torch.sort(groups[order], stable=True).indices]
+    kth = seg.row_start * few + torch.minimum(seg.width, seg.num_rows * few) - 1
+    bound = flat[order[kth]]
+    enough = group_counts(seg, groups, torch.isfinite(flat)) >= seg.width
+    return torch.where(enough, bound, float("-inf"))
 
 
 def _candidates(
@@ -189,26 +226,77 @@ def _candidates(
     return Candidates(beams, tokens, logprobs[beams, tokens], valid)
 
 
-def best_candidates(
-    cands: Candidates, cum: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The best ``width`` of ``cands`` (in (beam, token) order): score
-    desc, ties kept in that order (stable sorts); padded to ``width`` with
-    invalid entries. Returns ``(beams, tokens, scores, valid)``."""
-    scores = cum[cands.beams] + cands.logprobs.double()
-    order = torch.sort(-scores, stable=True).indices
-    invalid = (~cands.valid[order]).to(torch.int8)
-    order = order[torch.sort(invalid, stable=True).indices]
-    order = order[:width]
-    beams, tokens = cands.beams[order], cands.tokens[order]
-    scores, valid = scores[order], cands.valid[order]
-    missing = width - len(order)
-    if missing > 0:
-        pad = torch.zeros(missing, dtype=beams.dtype, device=beams.device)
-        beams, tokens = torch.cat((beams, pad)), torch.cat((tokens, pad))
-        scores = torch.cat((scores, pad.double()))
-        valid = torch.cat((valid, pad.bool()))
-    return beams, tokens, scores, valid
+def select_rows(
+    logits: torch.Tensor,
+    cum: torch.Tensor,
+    seg: Segments,
+    sampled: torch.Tensor | None = None,
+    fixed: bool | None = None,
+    alive: torch.Tensor | None = None,
+) -> Selection:
+    """A step of every group of ``seg`` over whole vocabulary rows
+    ``logits [R, V]`` (``cum [R]`` float64): next beams ``[sum(width)]``,
+    per-row results ``[R]``. ``fixed``: fixed shapes (default: on every
+    device but CPU). ``alive [R]``: rows that carry a beam (default all);
+    the others offer nothing and never end."""
+    logprobs = _alive_rows(logprobs_of(logits), alive)
+    if fixed is None:
+        fixed = logits.device.type != "cpu"
+    if fixed:
+        cands = row_candidates(logprobs, seg)
+    else:
+        cands = threshold_candidates(logprobs, cum, seg)
+    parents, tokens, scores, valid = best_per_group(
+        seg, cands.beams, cands.tokens, cands.logprobs, cands.valid, cum
+    )
+    none = torch.zeros(len(cum), dtype=torch.bool, device=logits.device)
+    if any(e >= 0 for e in seg.eos_ids):
+        eos_done, eos_lp = eos_rows(logprobs, seg, sampled)
+        ends = seg.eos[seg.group] >= 0
+        eos_scores = torch.where(ends, cum + eos_lp.double(), 0.0)
+    else:
+        eos_done, eos_scores = none, torch.zeros_like(cum)
+    return Selection(parents, tokens, scores, valid, eos_done, eos_scores, none)
+
+
+def select_catalog_rows(
+    logits: torch.Tensor,
+    cum: torch.Tensor,
+    seg: Segments,
+    children: torch.Tensor,
+    at_leaf: torch.Tensor,
+    alive: torch.Tensor | None = None,
+) -> Selection:
+    """A step of every catalog group of ``seg``: ``children [R, M]`` each
+    beam's legal next tokens (-1: none; :meth:`SidCatalog.legal`),
+    ``at_leaf [R]``.
+
+    Log-probs are the whole row's (not renormalised inside the catalog);
+    only the legal tokens' are ranked, ``R x M`` candidates."""
+    num_rows = len(cum)
+    logprobs = _alive_rows(logprobs_of(logits), alive)
+    if alive is not None:
+        at_leaf = at_leaf & alive
+    legal = children >= 0
+    lp = logprobs.gather(1, children.clamp(min=0)).masked_fill_(~legal, float("-inf"))
+    beams = torch.arange(num_rows, device=logits.device)[:, None].expand_as(children)
+    parents, tokens, scores, valid = best_per_group(
+        seg, beams.reshape(-1), children.reshape(-1), lp.reshape(-1),
+        torch.isfinite(lp).reshape(-1), cum,
+    )  # fmt: skip
+    eos = seg.eos[seg.group]
+    ends = eos >= 0
+    eos_lp = logprobs.gather(1, eos.clamp(min=0)[:, None]).squeeze(1)
+    eos_lp = torch.where(ends, eos_lp, 0.0)
+    eos_done = at_leaf & ends & torch.isfinite(eos_lp)
+    leaf_done = at_leaf & ~eos_done
+    return Selection(
+        parents, tokens, scores, valid, eos_done, cum + eos_lp.double(), leaf_done
+    )
+
+
+def one_group(rule: Rule, num_rows: int, device: torch.device) -> Segments:
+    return Segments.of([num_rows], [rule.width], [rule.eos], [rule.row_size], device)
 
 
 def select_plain(
@@ -219,26 +307,9 @@ def select_plain(
     fixed: bool | None = None,
     alive: torch.Tensor | None = None,
 ) -> Selection:
-    """A step over whole vocabulary rows ``logits [B, V]`` (``cum [B]``
-    float64). ``fixed``: fixed shapes (default: on every device but CPU).
-    ``alive [B]``: rows that carry a beam (default all); the others offer
-    nothing and never end."""
-    logprobs = _alive_rows(logprobs_of(logits), alive)
-    if fixed is None:
-        fixed = logits.device.type != "cpu"
-    if fixed:
-        cands = row_candidates(logprobs, rule.width, rule.eos)
-    else:
-        cands = threshold_candidates(logprobs, cum, rule.width, rule.eos)
-    beams, tokens, scores, valid = best_candidates(cands, cum, rule.width)
-    num_rows = len(cum)
-    none = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
-    if rule.eos >= 0:
-        eos_done, eos_lp = eos_rows(logprobs, rule, sampled)
-        eos_scores = cum + eos_lp.double()
-    else:
-        eos_done, eos_scores = none, torch.zeros_like(cum)
-    return Selection(beams, tokens, scores, valid, eos_done, eos_scores, none)
+    """:func:`select_rows` for one group of ``len(cum)`` beams."""
+    seg = one_group(rule, len(cum), logits.device)
+    return select_rows(logits, cum, seg, sampled, fixed, alive)
 
 
 def select_catalog(
@@ -249,33 +320,9 @@ def select_catalog(
     at_leaf: torch.Tensor,
     alive: torch.Tensor | None = None,
 ) -> Selection:
-    """A step of a catalog group: ``children [B, M]`` each beam's legal
-    next tokens (-1: none; :meth:`SidCatalog.legal`), ``at_leaf [B]``.
-
-    Log-probs are the whole row's (not renormalised inside the catalog);
-    only the legal tokens' are ranked, ``B x M`` candidates."""
-    num_rows = len(cum)
-    logprobs = _alive_rows(logprobs_of(logits), alive)
-    if alive is not None:
-        at_leaf = at_leaf & alive
-    legal = children >= 0
-    lp = logprobs.gather(1, children.clamp(min=0)).masked_fill_(~legal, float("-inf"))
-    beams = torch.arange(num_rows, device=logits.device)[:, None].expand_as(children)
-    finite = torch.isfinite(lp)
-    cands = Candidates(
-        beams.reshape(-1), children.reshape(-1), lp.reshape(-1), finite.reshape(-1)
-    )
-    beams, tokens, scores, valid = best_candidates(cands, cum, rule.width)
-    if rule.eos >= 0:
-        eos_lp = logprobs[:, rule.eos]
-        eos_done = at_leaf & torch.isfinite(eos_lp)
-    else:
-        eos_lp = torch.zeros_like(cum, dtype=torch.float32)
-        eos_done = torch.zeros_like(at_leaf)
-    leaf_done = at_leaf & ~eos_done
-    return Selection(
-        beams, tokens, scores, valid, eos_done, cum + eos_lp.double(), leaf_done
-    )
+    """:func:`select_catalog_rows` for one group of ``len(cum)`` beams."""
+    seg = one_group(rule, len(cum), logits.device)
+    return select_catalog_rows(logits, cum, seg, children, at_leaf, alive)
 
 
 def _alive_rows(logprobs: torch.Tensor, alive: torch.Tensor | None) -> torch.Tensor:
@@ -295,20 +342,8 @@ def carriers(
     each further child, in rank order, takes the next *spare* (a member
     whose beam has no child, then the idle ones, in member order); a child
     left without a spare gets -1. Mirrors
-    :func:`vllm_kvreuse.beam.scheduler.live.carriers`.
+    :func:`vllm_kvreuse.beam.scheduler.live.carriers`; for many groups at
+    once, :func:`.segments.carriers_per_group`.
     """
-    device = parents.device
-    width = len(parents)
-    ranks = torch.arange(width, device=device)
-    slot = torch.where(valid, parents, num_members)  # invalid: a dummy member
-    first = torch.full((num_members + 1,), width, device=device, dtype=torch.long)
-    first.scatter_reduce_(0, slot, ranks, reduce="amin")
-    is_first = valid & (first[slot] == ranks)
-    has_child = first[:num_members] < width
-    spares = torch.sort(has_child.to(torch.int8), stable=True).indices
-    num_spares = num_members - has_child.sum()
-    extra = valid & ~is_first
-    nth = torch.cumsum(extra.long(), 0) - 1
-    spare = spares[nth.clamp(min=0, max=max(num_members - 1, 0))]
-    carrier = torch.where(is_first, parents, torch.where(nth < num_spares, spare, -1))
-    return torch.where(valid, carrier, -1)
+    seg = Segments.of([num_members], [len(parents)], [-1], [0], parents.device)
+    return carriers_per_group(seg, parents, valid)
