@@ -16,6 +16,7 @@ from vllm_kvreuse.beam.worker.segments import Segments, members_per_group
 from vllm_kvreuse.beam.worker.select import (
     Rule,
     Selection,
+    logprobs_of,
     select_catalog,
     select_catalog_rows,
     select_plain,
@@ -69,11 +70,11 @@ def cat(groups: list[tuple], i: int) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(40))
 def test_a_batch_selects_what_each_group_selects_alone(seed: int, fixed: bool) -> None:
     rng = np.random.default_rng(900 + seed)
-    groups = random_groups(rng, int(rng.choice([12, 40, 300])))
+    groups = random_groups(rng, int(rng.choice([12, 40, 128, 300])))
     seg = segments_of(groups)
     sel = select_rows(
-        cat(groups, 0), cat(groups, 1), seg, sampled=cat(groups, 4), fixed=fixed,
-        alive=cat(groups, 3),
+        logprobs_of(cat(groups, 0)), cat(groups, 1), seg, sampled=cat(groups, 4),
+        fixed=fixed, alive=cat(groups, 3),
     )  # fmt: skip
     members = members_per_group(
         seg, cat(groups, 5), cat(groups, 3), sel.parents, sel.valid
@@ -106,7 +107,12 @@ def test_a_batch_of_catalog_groups_selects_what_each_selects_alone(seed: int) ->
     children, _ = catalog.legal(torch.cat(nodes))
     at_leaf = catalog.is_leaf(torch.cat(nodes))
     sel = select_catalog_rows(
-        cat(groups, 0), cat(groups, 1), seg, children, at_leaf, alive=cat(groups, 3)
+        logprobs_of(cat(groups, 0)),
+        cat(groups, 1),
+        seg,
+        children,
+        at_leaf,
+        alive=cat(groups, 3),
     )
     for g, n, out, rows in zip(
         groups, nodes, seg.out_slices(), seg.row_slices(), strict=True

@@ -5,6 +5,8 @@ but for the runners' patches).
   live group's beams as worker state across steps;
 - ``select.py``: the groups' step on the logits' device: the next beams and
   which member carries each;
+- ``candidates.py``: the (beam, token) pairs that may be among a group's
+  next beams (fixed shapes on an accelerator, pruned on CPU);
 - ``segments.py``: many groups laid end to end in flat tensors (ranking,
   carriers and block copies per group, in operations that do not grow with
   the number of groups);

@@ -39,6 +39,7 @@ from vllm_kvreuse.beam.worker.segments import (
 from vllm_kvreuse.beam.worker.select import (
     Rule,
     Selection,
+    logprobs_of,
     select_catalog_rows,
     select_rows,
 )
@@ -87,10 +88,20 @@ class GroupState:
 
 
 @dataclass(slots=True)
-class _Prepared:
-    steps: list[GroupStep]  # the step's groups that select, in order
-    rows: torch.Tensor  # [R] logits rows of their members, group after group
-    logits: torch.Tensor  # [R, V] raw logits (a copy)
+class _Batch:
+    """Groups of one kind selected together, as :meth:`BeamJob.prepare`
+    found them: ``rows [R]`` their members' logits rows, group after group;
+    ``beam_rows [R]`` each beam slot's member (an index into ``rows``);
+    ``logprobs [R, V]`` the beams' raw log-probs, in beam order."""
+
+    steps: list[GroupStep]
+    states: list[GroupState]
+    seg: Segments
+    rows: torch.Tensor
+    carried_by: torch.Tensor
+    alive: torch.Tensor
+    beam_rows: torch.Tensor
+    logprobs: torch.Tensor
 
 
 class BeamJob:
@@ -102,7 +113,7 @@ class BeamJob:
     ``catalog``: loads the SID catalog (catalog groups only); ``row_of``:
     request id -> logits row (or given to :meth:`prepare`); ``copy_blocks``:
     the runner's KV block copy (None: nothing to copy, as in tests without
-    KV).
+    KV); ``scratch``: the runner's buffers kept across steps (CPU).
     """
 
     def __init__(
@@ -112,20 +123,23 @@ class BeamJob:
         catalog: Callable[[], SidCatalog | None],
         row_of: Mapping[str, int] | None = None,
         copy_blocks: BlockCopier | None = None,
+        scratch: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.steps = steps
+        self._scratch = scratch
         self.states = states
         self._catalog = catalog
         self.row_of = row_of
         self._copy_blocks = copy_blocks
-        self._prepared: _Prepared | None = None
+        self._batches: list[_Batch] = []
         self.results: dict[str, PackedResult] = {}
 
     def prepare(
         self, logits: torch.Tensor, row_of: Mapping[str, int] | None = None
     ) -> None:
-        """Copies the groups' raw logits rows (``row_of``: request id -> row
-        of ``logits``; default: the job's); forgets ended groups."""
+        """Takes the groups' log-probs from the raw logits, before the
+        sampler may change them (``row_of``: request id -> row of
+        ``logits``; default: the job's); forgets ended groups."""
         row_of = self.row_of if row_of is None else row_of
         assert row_of is not None, "the runner names no logits rows"
         live = []
@@ -134,83 +148,89 @@ class BeamJob:
                 self.states.pop(step.group_id, None)
             else:
                 live.append(step)
-        if not live:
-            return
-        ids = [row_of.get(m, -1) for step in live for m in step.member_ids]
+        for catalog in (False, True):
+            steps = [s for s in live if s.catalog == catalog]
+            if steps:
+                self._batches.append(self._batch(steps, logits, row_of))
+
+    def _batch(
+        self, steps: list[GroupStep], logits: torch.Tensor, row_of: Mapping[str, int]
+    ) -> _Batch:
+        ids = [row_of.get(m, -1) for step in steps for m in step.member_ids]
         if -1 in ids:
-            for step in live:
+            for step in steps:
                 missing = [m for m in step.member_ids if m not in row_of]
                 if missing:
                     raise BeamStepError(
                         f"beam group {step.group_id}: members {missing[:4]} are "
                         "not in this batch"
                     )
-        rows = torch.tensor(ids, device=logits.device)
-        self._prepared = _Prepared(live, rows, logits[rows])
-
-    def finish(self, sampled: torch.Tensor) -> None:
-        """Runs every group's step and applies it (module docstring);
-        ``sampled``: ``[N, 1]`` or ``[N]``, the sampler's output, whose
-        carriers' tokens are overwritten in place."""
-        prep, self._prepared = self._prepared, None
-        if prep is None:
-            return
-        flat = sampled.view(-1)
-        starts, total = [], 0
-        for step in prep.steps:
-            starts.append(total)
-            total += len(step.member_ids)
-        for catalog in (False, True):
-            picked = [i for i, s in enumerate(prep.steps) if s.catalog == catalog]
-            if not picked:
-                continue
-            steps = [prep.steps[i] for i in picked]
-            rows, logits = prep.rows, prep.logits
-            if len(picked) < len(prep.steps):
-                span = [
-                    p
-                    for i in picked
-                    for p in range(starts[i], starts[i] + len(prep.steps[i].member_ids))
-                ]
-                index = torch.tensor(span, device=rows.device)
-                rows, logits = rows[index], logits[index]
-            self._run(steps, rows, logits, flat)
-
-    def _run(
-        self,
-        steps: list[GroupStep],
-        rows: torch.Tensor,
-        logits: torch.Tensor,
-        flat: torch.Tensor,
-    ) -> None:
-        """One batch of groups of one kind: ``rows``/``logits`` their
-        members', group after group."""
         device = logits.device
         states = [self._state_of(step, device) for step in steps]
         seg = Segments.of(
             [len(s.carriers) for s in states], [s.rule.width for s in states],
             [s.rule.eos for s in states], [s.rule.row_size for s in states], device,
         )  # fmt: skip
-        assert seg.total_rows == len(rows), "a group's slots are its members"
+        assert seg.total_rows == len(ids), "a group's slots are its members"
+        rows = torch.tensor(ids, device=device)
         carried_by = torch.cat([s.carriers for s in states])
-        alive = torch.cat([s.alive for s in states])
         beam_rows = seg.row_start[seg.group] + carried_by
-        sampled = flat[rows]
+        kind = "catalog" if steps[0].catalog else "plain"
+        shape = (len(ids), logits.shape[1])
+        taken = self._buffer(f"{kind}-logits", shape, logits.dtype, device)
+        taken = torch.index_select(logits, 0, rows[beam_rows], out=taken)
+        logprobs = self._buffer(f"{kind}-logprobs", shape, torch.float32, device)
+        return _Batch(
+            steps, states, seg, rows, carried_by, torch.cat([s.alive for s in states]),
+            beam_rows, logprobs_of(taken, out=logprobs),
+        )  # fmt: skip
+
+    def _buffer(
+        self,
+        name: str,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """A scratch tensor kept across steps, on CPU (None elsewhere: the
+        caching allocator keeps them there). On CPU a fresh ``R x V`` tensor
+        each step costs as much as the pass that fills it."""
+        if self._scratch is None or device.type != "cpu":
+            return None
+        size = shape[0] * shape[1]
+        buffer = self._scratch.get(name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = self._scratch[name] = torch.empty(size, dtype=dtype)
+        return buffer[:size].view(shape)
+
+    def finish(self, sampled: torch.Tensor) -> None:
+        """Runs every group's step and applies it (module docstring);
+        ``sampled``: ``[N, 1]`` or ``[N]``, the sampler's output, whose
+        carriers' tokens are overwritten in place."""
+        batches, self._batches = self._batches, []
+        for batch in batches:
+            self._run(batch, sampled.view(-1))
+
+    def _run(self, batch: _Batch, flat: torch.Tensor) -> None:
+        steps, states, seg = batch.steps, batch.states, batch.seg
+        sampled = flat[batch.rows]
         nodes = None
         if steps[0].catalog:
             nodes = torch.cat([s.nodes for s in states if s.nodes is not None])
         sel = self._select(
-            seg, logits[beam_rows], torch.cat([s.cum for s in states]), alive,
-            sampled[beam_rows], nodes,
+            seg, batch.logprobs, torch.cat([s.cum for s in states]), batch.alive,
+            sampled[batch.beam_rows], nodes,
         )  # fmt: skip
-        member = members_per_group(seg, carried_by, alive, sel.parents, sel.valid)
+        member = members_per_group(
+            seg, batch.carried_by, batch.alive, sel.parents, sel.valid
+        )
         # Each member row's token: its new beam's, else its own draw.
         total = seg.total_rows
         slot = torch.where(member >= 0, seg.row_start[seg.out_group] + member, total)
         tokens = torch.cat((sampled, flat.new_zeros(1)))
         tokens.scatter_(0, slot, sel.tokens.to(flat.dtype))
-        flat[rows] = tokens[:total]
-        source = carried_by[seg.row_start[seg.out_group] + sel.parents]
+        flat[batch.rows] = tokens[:total]
+        source = batch.carried_by[seg.row_start[seg.out_group] + sel.parents]
         self._copy(steps, seg, sel, source, member)
         self._advance(steps, states, seg, sel, member, nodes)
         nxt, beams = _pack(sel, member)
@@ -229,22 +249,22 @@ class BeamJob:
     def _select(
         self,
         seg: Segments,
-        logits: torch.Tensor,
+        logprobs: torch.Tensor,
         cum: torch.Tensor,
         alive: torch.Tensor,
         sampled: torch.Tensor,
         nodes: torch.Tensor | None,
     ) -> Selection:
         if nodes is None:
-            return select_rows(logits, cum, seg, sampled, alive=alive)
+            return select_rows(logprobs, cum, seg, sampled, alive=alive)
         catalog = self._catalog()
         assert catalog is not None, "catalog group"
         at = nodes.to(catalog.device)
         children, _ = catalog.legal(at)
         at_leaf = catalog.is_leaf(at)
-        device = logits.device
+        device = logprobs.device
         return select_catalog_rows(
-            logits, cum, seg, children.to(device), at_leaf.to(device), alive=alive
+            logprobs, cum, seg, children.to(device), at_leaf.to(device), alive=alive
         )
 
     def _copy(

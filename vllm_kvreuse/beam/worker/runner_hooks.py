@@ -44,6 +44,8 @@ STEPS_ATTR = "kvreuse_beam_steps"
 """V2 runner attribute: the groups of the step being run."""
 STATES_ATTR = "kvreuse_beam_states"
 """Runner attribute: its live groups' beams (``GroupState`` by group id)."""
+SCRATCH_ATTR = "kvreuse_beam_scratch"
+"""Runner attribute: the beam step's buffers kept across steps (CPU)."""
 
 
 def _catalog_of(runner: Any) -> Callable[[], Any]:
@@ -75,7 +77,10 @@ def _run_sampling(
     """Runs upstream's ``sample_tokens`` with a job on the runner's sampler
     and puts the job's results on its output."""
     states = vars(runner).setdefault(STATES_ATTR, {})
-    job = BeamJob(steps, states, _catalog_of(runner), row_of, _block_copier(runner))
+    scratch = vars(runner).setdefault(SCRATCH_ATTR, {})
+    job = BeamJob(
+        steps, states, _catalog_of(runner), row_of, _block_copier(runner), scratch
+    )
     sampler = runner.sampler
     vars(sampler)[JOB_ATTR] = job
     try:

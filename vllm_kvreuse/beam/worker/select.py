@@ -25,18 +25,9 @@ one total order for ties, the same on host and device:
 - the next beams are the best ``W`` other candidates by score, ties to the
   lower beam index, then the lower token id.
 
-Two selections give that same answer. :func:`row_candidates` has fixed
-shapes (no host sync, for CUDA under async scheduling): each row's best
-``W`` by a packed ``(logprob, -token)`` int64 key, then an exact stable
-sort of the ``B x W`` scores. :func:`threshold_candidates` (CPU, where a sync is
-free and a per-row top-``W`` of a wide vocabulary is the cost) finds a
-score that at least ``W`` candidates reach from each row's best few, keeps
-every candidate at or above it, and sorts only those.
-
-Within one row, score order equals log-prob order: two different float32
-log-probs of one distribution differ by more than a float64 rounding of any
-reachable cumulative score, so a row's best ``W`` by log-prob hold every
-candidate of that row the global order can pick.
+The candidates (:mod:`.candidates`: fixed shapes on an accelerator, a
+pruned set on CPU) are then ranked by an exact stable sort of their
+scores, per group.
 """
 
 from __future__ import annotations
@@ -45,15 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvreuse.beam.worker.candidates import (
+    row_candidates,
+    threshold_candidates,
+)
 from vllm_kvreuse.beam.worker.segments import (
     Segments,
     best_per_group,
     carriers_per_group,
-    group_counts,
 )
-
-NO_KEY = torch.iinfo(torch.int64).min
-"""Packed key of a token that is no candidate (sorts below every real one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,31 +80,12 @@ class Selection:
     leaf_done: torch.Tensor
 
 
-@dataclass(frozen=True, slots=True)
-class Candidates:
-    """Candidates in (beam, token) order: beam index, token, float32
-    log-prob; ``valid`` False for padding."""
-
-    beams: torch.Tensor
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    valid: torch.Tensor
-
-
-def logprobs_of(logits: torch.Tensor) -> torch.Tensor:
+def logprobs_of(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's raw log-probs (``Sampler.compute_logprobs``): float32
-    ``log_softmax``, with -0.0 made +0.0 so that equal values tie."""
-    return logits.log_softmax(dim=-1, dtype=torch.float32).add_(0.0)
-
-
-def packed_keys(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering ``(logprob desc, token asc)`` as plain integers:
-    the float's bits made monotone in the high half, ``~token`` in the low
-    half. Non-finite log-probs get :data:`NO_KEY`."""
-    bits = logprobs.contiguous().view(torch.int32).long()
-    monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    keys = (monotone << 32) | (0xFFFFFFFF - tokens.long())
-    return keys.masked_fill_(~torch.isfinite(logprobs), NO_KEY)
+    ``log_softmax``, with -0.0 made +0.0 so that equal values tie; into
+    ``out`` if given."""
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
+    return logprobs.add_(0.0)
 
 
 def eos_rows(
@@ -136,98 +108,8 @@ def eos_rows(
     return done, torch.where(ends, lp, 0.0)
 
 
-def _without_eos(logprobs: torch.Tensor, seg: Segments, fill: float) -> torch.Tensor:
-    """A copy of ``logprobs`` with each row's EOS (where its group has one)
-    set to ``fill``: EOS never competes for a place."""
-    if all(e < 0 for e in seg.eos_ids):
-        return logprobs
-    eos = seg.eos[seg.group]
-    token = eos.clamp(min=0)[:, None]
-    kept = logprobs.gather(1, token)
-    replaced = torch.where(eos[:, None] >= 0, torch.full_like(kept, fill), kept)
-    return logprobs.clone().scatter_(1, token, replaced)
-
-
-def row_candidates(logprobs: torch.Tensor, seg: Segments) -> Candidates:
-    """Each row's best ``max(width)`` (fixed shapes), as :class:`Candidates`
-    (a row of a narrower group offers more than it needs: its group's best
-    are among them); a row's EOS is never one."""
-    num_rows, vocab = logprobs.shape
-    tokens = torch.arange(vocab, device=logprobs.device)
-    keys = packed_keys(logprobs, tokens.expand(num_rows, vocab))
-    keys = _without_eos(keys, seg, NO_KEY)
-    top, picked = keys.topk(min(max(seg.widths), vocab), dim=1)
-    picked, order = picked.sort(dim=1)  # (beam, token) order for the tie rule
-    top = top.gather(1, order)
-    beams = torch.arange(num_rows, device=logprobs.device)[:, None].expand_as(picked)
-    return Candidates(
-        beams.reshape(-1),
-        picked.reshape(-1),
-        logprobs.gather(1, picked).reshape(-1),
-        (top != NO_KEY).reshape(-1),
-    )
-
-
-def threshold_candidates(
-    logprobs: torch.Tensor, cum: torch.Tensor, seg: Segments
-) -> Candidates:
-    """Every candidate that can be among its group's best ``width``
-    (data-dependent shapes; CPU). Each row's best few give a score at least
-    ``width`` of its group's candidates reach (``bound``, exact in float64;
-    -inf where the group has fewer candidates than places); a row whose few
-    are all at or above it may hold more and is scanned whole for finite
-    candidates scoring at least ``bound`` (an exact float64 bound applied
-    to float32 log-probs); every other row's candidates are among its few."""
-    num_rows, vocab = logprobs.shape
-    masked = _without_eos(logprobs, seg, float("-inf"))
-    pairs = zip(seg.widths, seg.rows, strict=True)
-    few = min(vocab, max(max(1, -(-4 * w // r)) for w, r in pairs))
-    top = masked.topk(few, dim=1)
-    scores = top.values.double() + cum[:, None]
-    bound = _group_bounds(seg, scores)[seg.group]
-    full = scores[:, -1] >= bound  # rows that may hold more than their few
-    keep = (scores >= bound[:, None]) & ~full[:, None] & torch.isfinite(scores)
-    beams = torch.arange(num_rows)[:, None].expand_as(keep)[keep]
-    tokens = top.indices[keep]
-    rows = full.nonzero().flatten()
-    if len(rows):
-        floor = bound[rows] - cum[rows]  # a candidate's least log-prob, float64
-        low = floor.float()
-        low = torch.where(
-            low.double() > floor, low.nextafter(low.new_tensor(-1e38)), low
-        )
-        scan = masked[rows]
-        more = (scan >= low[:, None]) & torch.isfinite(scan)
-        more_rows, more_tokens = more.nonzero(as_tuple=True)
-        beams = torch.cat((beams, rows[more_rows]))
-        tokens = torch.cat((tokens, more_tokens))
-    order = torch.argsort(beams * vocab + tokens)  # (beam, token) order
-    return _candidates(logprobs, beams[order], tokens[order])
-
-
-def _group_bounds(seg: Segments, scores: torch.Tensor) -> torch.Tensor:
-    """``[G]``: each group's ``width``-th best finite score among its rows'
-    ``scores [R, few]``; -inf where it has fewer."""
-    few = scores.shape[1]
-    flat = scores.flatten()
-    groups = seg.group.repeat_interleave(few)
-    order = torch.sort(-flat, stable=True).indices
-    order = order[torch.sort(groups[order], stable=True).indices]
-    kth = seg.row_start * few + torch.minimum(seg.width, seg.num_rows * few) - 1
-    bound = flat[order[kth]]
-    enough = group_counts(seg, groups, torch.isfinite(flat)) >= seg.width
-    return torch.where(enough, bound, float("-inf"))
-
-
-def _candidates(
-    logprobs: torch.Tensor, beams: torch.Tensor, tokens: torch.Tensor
-) -> Candidates:
-    valid = torch.ones(len(beams), dtype=torch.bool, device=logprobs.device)
-    return Candidates(beams, tokens, logprobs[beams, tokens], valid)
-
-
 def select_rows(
-    logits: torch.Tensor,
+    logprobs: torch.Tensor,
     cum: torch.Tensor,
     seg: Segments,
     sampled: torch.Tensor | None = None,
@@ -235,23 +117,25 @@ def select_rows(
     alive: torch.Tensor | None = None,
 ) -> Selection:
     """A step of every group of ``seg`` over whole vocabulary rows
-    ``logits [R, V]`` (``cum [R]`` float64): next beams ``[sum(width)]``,
-    per-row results ``[R]``. ``fixed``: fixed shapes (default: on every
-    device but CPU). ``alive [R]``: rows that carry a beam (default all);
-    the others offer nothing and never end."""
-    logprobs = _alive_rows(logprobs_of(logits), alive)
+    ``logprobs [R, V]`` (:func:`logprobs_of` the raw logits, a tensor it
+    may write; ``cum [R]`` float64): next beams ``[sum(width)]``, per-row
+    results ``[R]``. ``fixed``: fixed shapes (default: on every device but
+    CPU). ``alive [R]``: rows that carry a beam (default all); the others
+    offer nothing and never end."""
+    alive = _all_alive(cum) if alive is None else alive
     if fixed is None:
-        fixed = logits.device.type != "cpu"
+        fixed = logprobs.device.type != "cpu"
     if fixed:
-        cands = row_candidates(logprobs, seg)
+        cands = row_candidates(logprobs, seg, alive)
     else:
-        cands = threshold_candidates(logprobs, cum, seg)
+        cands = threshold_candidates(logprobs, cum, seg, alive)
     parents, tokens, scores, valid = best_per_group(
         seg, cands.beams, cands.tokens, cands.logprobs, cands.valid, cum
     )
-    none = torch.zeros(len(cum), dtype=torch.bool, device=logits.device)
+    none = torch.zeros(len(cum), dtype=torch.bool, device=logprobs.device)
     if any(e >= 0 for e in seg.eos_ids):
         eos_done, eos_lp = eos_rows(logprobs, seg, sampled)
+        eos_done &= alive
         ends = seg.eos[seg.group] >= 0
         eos_scores = torch.where(ends, cum + eos_lp.double(), 0.0)
     else:
@@ -260,26 +144,27 @@ def select_rows(
 
 
 def select_catalog_rows(
-    logits: torch.Tensor,
+    logprobs: torch.Tensor,
     cum: torch.Tensor,
     seg: Segments,
     children: torch.Tensor,
     at_leaf: torch.Tensor,
     alive: torch.Tensor | None = None,
 ) -> Selection:
-    """A step of every catalog group of ``seg``: ``children [R, M]`` each
+    """A step of every catalog group of ``seg`` (``logprobs`` as for
+    :func:`select_rows`): ``children [R, M]`` each
     beam's legal next tokens (-1: none; :meth:`SidCatalog.legal`),
     ``at_leaf [R]``.
 
     Log-probs are the whole row's (not renormalised inside the catalog);
     only the legal tokens' are ranked, ``R x M`` candidates."""
     num_rows = len(cum)
-    logprobs = _alive_rows(logprobs_of(logits), alive)
-    if alive is not None:
-        at_leaf = at_leaf & alive
-    legal = children >= 0
+    alive = _all_alive(cum) if alive is None else alive
+    at_leaf = at_leaf & alive
+    legal = (children >= 0) & alive[:, None]
     lp = logprobs.gather(1, children.clamp(min=0)).masked_fill_(~legal, float("-inf"))
-    beams = torch.arange(num_rows, device=logits.device)[:, None].expand_as(children)
+    beams = torch.arange(num_rows, device=logprobs.device)[:, None]
+    beams = beams.expand_as(children)
     parents, tokens, scores, valid = best_per_group(
         seg, beams.reshape(-1), children.reshape(-1), lp.reshape(-1),
         torch.isfinite(lp).reshape(-1), cum,
@@ -293,6 +178,10 @@ def select_catalog_rows(
     return Selection(
         parents, tokens, scores, valid, eos_done, cum + eos_lp.double(), leaf_done
     )
+
+
+def _all_alive(cum: torch.Tensor) -> torch.Tensor:
+    return torch.ones(len(cum), dtype=torch.bool, device=cum.device)
 
 
 def one_group(rule: Rule, num_rows: int, device: torch.device) -> Segments:
@@ -309,7 +198,7 @@ def select_plain(
 ) -> Selection:
     """:func:`select_rows` for one group of ``len(cum)`` beams."""
     seg = one_group(rule, len(cum), logits.device)
-    return select_rows(logits, cum, seg, sampled, fixed, alive)
+    return select_rows(logprobs_of(logits), cum, seg, sampled, fixed, alive)
 
 
 def select_catalog(
@@ -322,14 +211,7 @@ def select_catalog(
 ) -> Selection:
     """:func:`select_catalog_rows` for one group of ``len(cum)`` beams."""
     seg = one_group(rule, len(cum), logits.device)
-    return select_catalog_rows(logits, cum, seg, children, at_leaf, alive)
-
-
-def _alive_rows(logprobs: torch.Tensor, alive: torch.Tensor | None) -> torch.Tensor:
-    """``logprobs`` with the rows of no beam at -inf: no candidate, no EOS."""
-    if alive is None:
-        return logprobs
-    return logprobs.masked_fill_(~alive[:, None], float("-inf"))
+    return select_catalog_rows(logprobs_of(logits), cum, seg, children, at_leaf, alive)
 
 
 def carriers(

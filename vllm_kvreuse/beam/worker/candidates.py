@@ -1,0 +1,163 @@
+"""Which (beam, token) pairs may be among their group's next beams.
+
+A superset of each group's best ``width`` candidates, ties at the cut
+included, in (beam, token) order: ranking it (:func:`.segments.best_per_group`)
+gives the answer ranking every (beam, token) pair would. A beam's
+candidates are its tokens with a finite log-prob but EOS (where EOS ends
+beams: it never competes for a place); a row that carries no beam
+(``alive`` False) offers none.
+
+Two ways, one answer (:mod:`.select`): :func:`row_candidates` in fixed
+shapes (no host sync: CUDA under async scheduling), each row's best
+``width`` by a packed ``(logprob, -token)`` key; :func:`threshold_candidates`
+(CPU, where a sync is free and a per-row top-``k`` of a wide vocabulary is
+the cost), everything at or above a score that at least ``width`` of the
+group's candidates reach.
+
+Within one row, score order equals log-prob order: two different float32
+log-probs of one distribution differ by more than a float64 rounding of any
+reachable cumulative score, so a row's best ``W`` by log-prob hold every
+candidate of that row the global order can pick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvreuse.beam.worker.segments import Segments, group_counts
+
+NO_KEY = torch.iinfo(torch.int64).min
+"""Packed key of a token that is no candidate (sorts below every real one)."""
+
+CHUNK = 64
+""":func:`threshold_candidates`'s bound is found among each run of this many
+tokens' maximum."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Candidates in (beam, token) order: beam index, token, float32
+    log-prob; ``valid`` False for padding."""
+
+    beams: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    valid: torch.Tensor
+
+
+def packed_keys(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering ``(logprob desc, token asc)`` as plain integers:
+    the float's bits made monotone in the high half, ``~token`` in the low
+    half. Non-finite log-probs get :data:`NO_KEY`."""
+    bits = logprobs.contiguous().view(torch.int32).long()
+    monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    keys = (monotone << 32) | (0xFFFFFFFF - tokens.long())
+    return keys.masked_fill_(~torch.isfinite(logprobs), NO_KEY)
+
+
+def without_eos(values: torch.Tensor, seg: Segments, fill: float) -> torch.Tensor:
+    """``values [R, V]``, or a copy with each row's EOS (where its group has
+    one) set to ``fill``."""
+    if all(e < 0 for e in seg.eos_ids):
+        return values
+    eos = seg.eos[seg.group]
+    token = eos.clamp(min=0)[:, None]
+    kept = values.gather(1, token)
+    replaced = torch.where(eos[:, None] >= 0, torch.full_like(kept, fill), kept)
+    return values.clone().scatter_(1, token, replaced)
+
+
+def row_candidates(
+    logprobs: torch.Tensor, seg: Segments, alive: torch.Tensor
+) -> Candidates:
+    """Each row's best ``max(width)`` (fixed shapes; a row of a narrower
+    group offers more than it needs: its group's best are among them)."""
+    num_rows, vocab = logprobs.shape
+    tokens = torch.arange(vocab, device=logprobs.device)
+    keys = packed_keys(logprobs, tokens.expand(num_rows, vocab))
+    keys = without_eos(keys, seg, NO_KEY)
+    top, picked = keys.topk(min(max(seg.widths), vocab), dim=1)
+    picked, order = picked.sort(dim=1)  # (beam, token) order for the tie rule
+    top = top.gather(1, order)
+    beams = torch.arange(num_rows, device=logprobs.device)[:, None].expand_as(picked)
+    valid = (top != NO_KEY) & alive[:, None]
+    return Candidates(
+        beams.reshape(-1),
+        picked.reshape(-1),
+        logprobs.gather(1, picked).reshape(-1),
+        valid.reshape(-1),
+    )
+
+
+def threshold_candidates(
+    logprobs: torch.Tensor, cum: torch.Tensor, seg: Segments, alive: torch.Tensor
+) -> Candidates:
+    """Every candidate scoring at least a bound that at least ``width`` of
+    its group's candidates reach (data-dependent shapes; CPU).
+
+    Rows are cut into runs of :data:`CHUNK` tokens. The bound: the group's
+    ``width``-th best score among each row's best few run maxima (distinct
+    candidates); -inf where the group has fewer, and then every finite
+    candidate of the group. Only the runs whose maximum reaches the bound
+    are scanned, so the cost past one pass is the candidates', not
+    ``R x V``."""
+    runs = _runs(without_eos(logprobs, seg, float("-inf")))
+    maxima = runs.amax(dim=2)
+    pairs = zip(seg.widths, seg.rows, strict=True)
+    few = min(maxima.shape[1], max(max(1, -(-4 * w // r)) for w, r in pairs))
+    scores = maxima.topk(few, dim=1).values.double() + cum[:, None]
+    scores = torch.where(alive[:, None], scores, float("-inf"))
+    bound = _group_bounds(seg, scores)[seg.group]
+    low = _low(torch.where(alive, bound - cum, float("inf")))  # dead rows: none
+    rows, run = _reaching(maxima, low).nonzero(as_tuple=True)
+    hits, offset = _reaching(runs[rows, run], low[rows]).nonzero(as_tuple=True)
+    beams, tokens = rows[hits], run[hits] * CHUNK + offset
+    return _candidates(logprobs, beams, tokens)  # (beam, token) order
+
+
+def _runs(values: torch.Tensor) -> torch.Tensor:
+    """``values [R, V]`` as ``[R, ceil(V / CHUNK), CHUNK]`` (a view where
+    ``CHUNK`` divides ``V``, else padded with -inf)."""
+    num_rows, vocab = values.shape
+    pad = -vocab % CHUNK
+    if pad:
+        values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
+    return values.view(num_rows, -1, CHUNK)
+
+
+def _low(floor: torch.Tensor) -> torch.Tensor:
+    """``floor [R]`` (bound - cum, float64) as the least float32 log-prob
+    whose float64 score reaches the bound (rounded down: exact)."""
+    low = floor.float()
+    return torch.where(low.double() > floor, low.nextafter(low.new_tensor(-1e38)), low)
+
+
+def _reaching(values: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``values [K, N] >= low [K]``, finite values only."""
+    reached = values >= low[:, None]
+    if not bool(torch.isfinite(low).all()):  # -inf reaches -inf: not a candidate
+        reached &= values > float("-inf")
+    return reached
+
+
+def _group_bounds(seg: Segments, scores: torch.Tensor) -> torch.Tensor:
+    """``[G]``: each group's ``width``-th best finite score among its rows'
+    ``scores [R, k]``; -inf where it has fewer."""
+    k = scores.shape[1]
+    flat = scores.flatten()
+    groups = seg.group.repeat_interleave(k)
+    order = torch.sort(-flat, stable=True).indices
+    order = order[torch.sort(groups[order], stable=True).indices]
+    kth = seg.row_start * k + torch.minimum(seg.width, seg.num_rows * k) - 1
+    bound = flat[order[kth]]
+    enough = group_counts(seg, groups, torch.isfinite(flat)) >= seg.width
+    return torch.where(enough, bound, float("-inf"))
+
+
+def _candidates(
+    logprobs: torch.Tensor, beams: torch.Tensor, tokens: torch.Tensor
+) -> Candidates:
+    valid = torch.ones(len(beams), dtype=torch.bool, device=logprobs.device)
+    return Candidates(beams, tokens, logprobs[beams, tokens], valid)
