@@ -55,6 +55,8 @@ beams / decode+lp without the frontend.
 
     .venv/bin/python benchmarks/beam_step_overhead.py                 # V1 runner
     .venv/bin/python benchmarks/beam_step_overhead.py --clock cpu     # on a busy box
+    .venv/bin/python benchmarks/beam_step_overhead.py --clock cpu \\
+        --widths 50 --searches 16                                     # 16 groups a step
     .venv/bin/python benchmarks/beam_step_overhead.py --runner v2 \\
         --widths 50 128 512 --steps 3 --repeats 1                     # V2 runner
     python benchmarks/beam_step_overhead.py --model models/small --sync \\
@@ -240,6 +242,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    parser.add_argument(
+        "--searches",
+        type=int,
+        default=1,
+        help="K searches of width W at once, each its own prompt, against K x W "
+        "decoding requests (steps of K x W rows are kept)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode")
     parser.add_argument(
         "--lp-max-width",
@@ -288,8 +297,8 @@ def main() -> None:
         args.model, dtype=args.dtype, enforce_eager=True, seed=0,
         block_size=args.block_size,
         max_model_len=args.prompt_tokens + args.steps + 64,
-        max_num_seqs=max(256, 2 * widest),
-        max_num_batched_tokens=max(8192, widest * args.block_size),
+        max_num_seqs=max(256, 2 * widest * args.searches),
+        max_num_batched_tokens=max(8192, widest * args.searches * args.block_size),
         max_logprobs=2 * widest + 1, engine_beam_search=True,
         kv_cache_memory_bytes=args.kv_cache_mib << 20,
     )  # fmt: skip
@@ -309,8 +318,10 @@ def main() -> None:
         params = BeamSearchParams(
             beam_width=width, max_tokens=args.steps + 1, ignore_eos=not args.eos
         )
-        llm.beam_search([{"prompt_token_ids": prompt()}], params)
-        return keep(timers.take(), lambda s: s.members == s.rows == s.tokens == width)
+        batch = [{"prompt_token_ids": prompt()} for _ in range(args.searches)]
+        llm.beam_search(batch, params, concurrency_limit=args.searches)
+        rows = width * args.searches
+        return keep(timers.take(), lambda s: s.members == s.rows == s.tokens == rows)
 
     def decode(width: int, logprobs: int | None = None) -> list[Step]:
         tokens = prompt()
@@ -323,8 +334,9 @@ def main() -> None:
             temperature=0.0,
             logprobs=logprobs,
         )
-        llm.generate([{"prompt_token_ids": tokens}] * width, params, use_tqdm=False)
-        return keep(timers.take(), lambda s: s.rows == s.tokens == width and not s.new)
+        rows = width * args.searches
+        llm.generate([{"prompt_token_ids": tokens}] * rows, params, use_tqdm=False)
+        return keep(timers.take(), lambda s: s.rows == s.tokens == rows and not s.new)
 
     def keep(steps: list[Step], wanted: Callable[[Step], bool]) -> list[Step]:
         if args.show_steps:
@@ -336,6 +348,7 @@ def main() -> None:
         f"{args.model}, runner {runner}, {args.prompt_tokens}-token prompts, "
         f"{args.block_size}-token blocks, {args.clock} clock, "
         f"{args.steps} steps x {args.repeats} runs per mode; ms per step, medians"
+        + (f"; {args.searches} searches at once" if args.searches > 1 else "")
     )
     columns = (*PARTS, "overhead", "model", "kvcopy", "wall")
     header = " ".join(f"{p:>7}" for p in columns)
