@@ -233,7 +233,7 @@ class BeamJob:
         source = batch.carried_by[seg.row_start[seg.out_group] + sel.parents]
         self._copy(steps, seg, sel, source, member)
         self._advance(steps, states, seg, sel, member, nodes)
-        nxt, beams = _pack(sel, member)
+        nxt, beams = sel.packed(member)
         for step, out, mine in zip(
             steps, seg.out_slices(), seg.row_slices(), strict=True
         ):
@@ -333,22 +333,3 @@ def _private_count(step: GroupStep) -> int:
     if step.kind == "root" or not step.blocks or not step.blocks[0]:
         return 0
     return len(step.blocks[0][0])
-
-
-def _pack(sel: Selection, member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selection as two float64 tensors, every group's rows, copied to
-    the host without waiting (pinned memory on an accelerator); each
-    group's :class:`PackedResult` is a view of them."""
-    nxt = torch.stack(
-        (sel.parents.double(), sel.tokens.double(), sel.scores, member.double(),
-         sel.valid.double()),
-        dim=1,
-    )  # fmt: skip
-    beams = torch.stack(
-        (sel.eos_done.double(), sel.eos_scores, sel.leaf_done.double(),
-         torch.zeros_like(sel.eos_scores)),
-        dim=1,
-    )  # fmt: skip
-    if nxt.device.type == "cpu":
-        return nxt, beams
-    return nxt.to("cpu", non_blocking=True), beams.to("cpu", non_blocking=True)

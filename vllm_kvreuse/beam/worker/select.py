@@ -79,6 +79,25 @@ class Selection:
     eos_scores: torch.Tensor
     leaf_done: torch.Tensor
 
+    def packed(self, member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next [W, 5], beams [B, 4])`` float64 (``member``: each next
+        beam's carrier; :class:`~vllm_kvreuse.beam.plan.PackedResult`'s
+        rows), copied to the host without waiting (pinned memory on an
+        accelerator)."""
+        nxt = torch.stack(
+            (self.parents.double(), self.tokens.double(), self.scores,
+             member.double(), self.valid.double()),
+            dim=1,
+        )  # fmt: skip
+        beams = torch.stack(
+            (self.eos_done.double(), self.eos_scores, self.leaf_done.double(),
+             torch.zeros_like(self.eos_scores)),
+            dim=1,
+        )  # fmt: skip
+        if nxt.device.type == "cpu":
+            return nxt, beams
+        return nxt.to("cpu", non_blocking=True), beams.to("cpu", non_blocking=True)
+
 
 def logprobs_of(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's raw log-probs (``Sampler.compute_logprobs``): float32
