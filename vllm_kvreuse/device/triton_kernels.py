@@ -81,13 +81,22 @@ def piece_tile(
             tl.load(row + 6), tl.load(row + 7))  # fmt: skip
 
 
-def cache_rows(
+def lane_targets(
     cache_ptr, offsets_ptr, layer, block_ids_ptr, position, token_ok,
-    block_size, k_block, k_token, v_block, v_token, ALIGN: tl.constexpr,
+    block_size, k_block, k_token, k_head, k_dim, v_block, v_token, v_head, v_dim,
+    NUM_HEADS: tl.constexpr, LANE_DIMS: tl.constexpr, LANES: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """Where each of the tokens at ``position`` (``[BLOCK_T]``, in the
-    request whose views' blocks ``block_ids_ptr`` lists) starts in layer
-    ``layer``'s keys and values: two ``[BLOCK_T]`` pointers."""
+    """A tile's lanes and where they go: lane ``head * LANE_DIMS + dim``
+    (``LANES`` of them, a power of two), the tile's mask, and each
+    ``[BLOCK_T, LANES]`` element's address in layer ``layer``'s keys and
+    values, for the tokens at ``position`` (``[BLOCK_T]``, in the request
+    whose views' blocks ``block_ids_ptr`` lists). Returns ``(lane, head,
+    dim, mask, cache_k, cache_v)``."""
+    lane = tl.arange(0, LANES)
+    head = lane // LANE_DIMS
+    dim = lane % LANE_DIMS
+    mask = token_ok[:, None] & (lane < NUM_HEADS * LANE_DIMS)[None, :]
     position = position.to(tl.int32)  # 64-bit division is emulated: slow
     block = tl.load(block_ids_ptr + position // block_size, mask=token_ok, other=0)
     block = block.to(tl.int64)
@@ -96,8 +105,11 @@ def cache_rows(
     # without the hint every cache access would be a 2-byte one.
     keys = cache_ptr + tl.multiple_of(tl.load(offsets_ptr + 2 * layer), ALIGN)
     values = cache_ptr + tl.multiple_of(tl.load(offsets_ptr + 2 * layer + 1), ALIGN)
-    return (keys + block * k_block + slot * k_token,
-            values + block * v_block + slot * v_token)  # fmt: skip
+    keys += block * k_block + slot * k_token
+    values += block * v_block + slot * v_token
+    cache_k = keys[:, None] + (head * k_head + dim * k_dim)[None, :]
+    cache_v = values[:, None] + (head * v_head + dim * v_dim)[None, :]
+    return lane, head, dim, mask, cache_k, cache_v
 
 
 def save_kernel(
@@ -114,17 +126,12 @@ def save_kernel(
     takes ``BLOCK_T`` of them."""
     layer = tl.program_id(1).to(tl.int64)
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    lane = tl.arange(0, BLOCK_HD)  # head * HEAD_SIZE + dim
-    head = lane // HEAD_SIZE
-    dim = lane % HEAD_SIZE
     token_ok = token < count
-    mask = token_ok[:, None] & (lane < NUM_HEADS * HEAD_SIZE)[None, :]
-    keys, values = cache_rows(
+    _, head, dim, mask, cache_k, cache_v = lane_targets(
         cache_ptr, offsets_ptr, layer, block_ids_ptr, start + token, token_ok,
-        block_size, k_block, k_token, v_block, v_token, ALIGN,
+        block_size, k_block, k_token, k_head, k_dim, v_block, v_token, v_head,
+        v_dim, NUM_HEADS, HEAD_SIZE, BLOCK_HD, ALIGN,
     )  # fmt: skip
-    cache_k = keys[:, None] + (head * k_head + dim * k_dim)[None, :]
-    cache_v = values[:, None] + (head * v_head + dim * v_dim)[None, :]
     row = layer * c_layer + token.to(tl.int64) * c_token
     chunk_k = chunk_ptr + row[:, None] + (head * c_head + dim * c_dim)[None, :]
     tl.store(chunk_k, tl.load(cache_k, mask=mask), mask=mask)
@@ -149,17 +156,11 @@ def load_kernel(
     token, count, chunk, c_layer, c_kv, dst_start, table, delta = piece_tile(
         pieces_ptr, num_pieces, CHUNK_ALIGN, BLOCK_T, MAX_PIECES
     )
-    lane = tl.arange(0, BLOCK_HD)  # head * HEAD_SIZE + dim
-    head = lane // HEAD_SIZE
-    dim = lane % HEAD_SIZE
-    token_ok = token < count
-    mask = token_ok[:, None] & (lane < NUM_HEADS * HEAD_SIZE)[None, :]
-    keys, values = cache_rows(
+    lane, _, dim, mask, cache_k, cache_v = lane_targets(
         cache_ptr, offsets_ptr, layer, block_ids_ptr + table, dst_start + token,
-        token_ok, block_size, k_block, k_token, v_block, v_token, ALIGN,
+        token < count, block_size, k_block, k_token, k_head, k_dim, v_block,
+        v_token, v_head, v_dim, NUM_HEADS, HEAD_SIZE, BLOCK_HD, ALIGN,
     )  # fmt: skip
-    cache_k = keys[:, None] + (head * k_head + dim * k_dim)[None, :]
-    cache_v = values[:, None] + (head * v_head + dim * v_dim)[None, :]
     row = chunk + layer * c_layer + token.to(tl.int64) * (NUM_HEADS * HEAD_SIZE)
     chunk_k = chunk_ptr + row[:, None] + lane[None, :]
     tokens = tl.load(chunk_k, mask=mask)
@@ -230,17 +231,11 @@ def halves_kernel(
     token, count, chunk, c_layer, c_kv, dst_start, table, delta = piece_tile(
         pieces_ptr, num_pieces, CHUNK_ALIGN, BLOCK_T, MAX_PIECES
     )
-    lane = tl.arange(0, BLOCK_P)  # head * HALF + d
-    head = lane // HALF
-    dim = lane % HALF
-    token_ok = token < count
-    mask = token_ok[:, None] & (lane < NUM_HEADS * HALF)[None, :]
-    keys, values = cache_rows(
+    _, head, dim, mask, cache_k, cache_v = lane_targets(
         cache_ptr, offsets_ptr, layer, block_ids_ptr + table, dst_start + token,
-        token_ok, block_size, k_block, k_token, v_block, v_token, ALIGN,
+        token < count, block_size, k_block, k_token, k_head, k_dim, v_block,
+        v_token, v_head, v_dim, NUM_HEADS, HALF, BLOCK_P, ALIGN,
     )  # fmt: skip
-    cache_k = keys[:, None] + (head * k_head + dim * k_dim)[None, :]
-    cache_v = values[:, None] + (head * v_head + dim * v_dim)[None, :]
     row = chunk + layer * c_layer + token.to(tl.int64) * (NUM_HEADS * 2 * HALF)
     chunk_k = chunk_ptr + row[:, None] + (head * 2 * HALF + dim)[None, :]
     chunk_v = chunk_k + c_kv
@@ -262,7 +257,7 @@ def halves_kernel(
 
 
 KERNELS = {"save": save_kernel, "load": load_kernel, "halves": halves_kernel}
-DEVICE_FUNCTIONS = (piece_tile, cache_rows, rotated_keys)
+DEVICE_FUNCTIONS = (piece_tile, lane_targets, rotated_keys)
 """What the kernels call: compiled or interpreted along with them."""
 UNSPECIALISED = {"save": ["start", "count"], "load": ["num_pieces"],
                  "halves": ["num_pieces"]}  # fmt: skip

@@ -61,7 +61,6 @@ class OneRequestSteps:
         self._rows = core.extra_rows
         self.stepping: list[BeamGroup] = []
         self.num_taken = 0  # groups stepped as one (a metric of the tests)
-        self.num_moved = 0  # members that took another beam (KV copied)
 
     def take(self, group: BeamGroup) -> None:
         """Right after the members' first step is scheduled: reserves the
@@ -156,7 +155,6 @@ class OneRequestSteps:
         nodes = group.rule.next_nodes(lineage.nodes, result.parents, result.tokens)
         lineage.record(result, nodes, group.config.eos_token_id)
         group.step += 1
-        self.num_moved += moved
         if group.step < group.config.max_tokens and result.parents:
             return None
         return best(

@@ -94,7 +94,9 @@ class LiveSteps:
     def __init__(self, core: Core, groups: GroupTable) -> None:
         self.core = core
         self._groups = groups
-        self.num_moved = 0  # members that took another beam (KV copied)
+        # Members that took another beam (KV copied), member by member (a
+        # group stepped as one counts its own in ``group.num_forks``).
+        self.num_moved = 0
         self.held: list[Request] = []
         self.sat_out: set[str] = set()
         self.outside_now: set[str] = set()
