@@ -48,6 +48,10 @@ BlockCopier = Callable[[torch.Tensor, torch.Tensor], None]
 """Copies KV blocks ``src[i]`` to ``dst[i]`` (scheduler block ids) in every layer."""
 
 
+SCRATCH_BYTES = 64 << 20
+"""The largest buffer a runner keeps across steps (``BeamJob``'s scratch)."""
+
+
 class BeamStepError(RuntimeError):
     """A scheduled group's rows are not all in the batch the sampler saw."""
 
@@ -193,11 +197,14 @@ class BeamJob:
         device: torch.device,
     ) -> torch.Tensor | None:
         """A scratch tensor kept across steps, on CPU (None elsewhere: the
-        caching allocator keeps them there). On CPU a fresh ``R x V`` tensor
-        each step costs as much as the pass that fills it."""
+        caching allocator keeps them there; and past :data:`SCRATCH_BYTES`,
+        not to keep a wide search's memory for good). On CPU a fresh
+        ``R x V`` tensor each step costs as much as the pass that fills it."""
+        size = shape[0] * shape[1]
         if self._scratch is None or device.type != "cpu":
             return None
-        size = shape[0] * shape[1]
+        if size * dtype.itemsize > SCRATCH_BYTES:
+            return None
         buffer = self._scratch.get(name)
         if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
             buffer = self._scratch[name] = torch.empty(size, dtype=dtype)
