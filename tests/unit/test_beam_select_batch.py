@@ -10,8 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_kvreuse.beam.catalog.trie import SidCatalog
+from vllm_kvreuse.beam.plan import GroupStep
+from vllm_kvreuse.beam.worker.job import BeamJob
 from vllm_kvreuse.beam.worker.segments import Segments, members_per_group
 from vllm_kvreuse.beam.worker.select import (
     Rule,
@@ -121,3 +124,56 @@ def test_a_batch_of_catalog_groups_selects_what_each_selects_alone(seed: int) ->
         kids, _ = catalog.legal(n)
         alone = select_catalog(logits, cum, rule, kids, catalog.is_leaf(n), alive=alive)
         assert part(sel, out, rows) == part(alone, slice(None), slice(None))
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the tensor operations that compute (views left out): on an
+    accelerator, each is a kernel launch or a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(num_groups: int, width: int = 8, vocab: int = 64) -> int:
+    """Tensor operations of a live step of ``num_groups`` groups in a
+    worker's :class:`BeamJob` (the groups started the step before)."""
+    members = [[f"g{g}-m{i}" for i in range(width)] for g in range(num_groups)]
+    row_of = {m: i for i, m in enumerate(m for group in members for m in group)}
+    logits = torch.randn(len(row_of), vocab, generator=torch.Generator().manual_seed(0))
+    sampled = torch.zeros(len(row_of), dtype=torch.long)
+    states: dict = {}
+
+    def blocks(g: int) -> list:
+        return [[[100 * g + i] for i in range(width)]]
+
+    def steps(kind: str) -> list[GroupStep]:
+        first = {"carriers": list(range(width)), "cum_logprobs": [0.0] * width}
+        return [
+            GroupStep(f"g{g}", kind, members[g], width=width, blocks=blocks(g),
+                      **(first if kind == "start" else {}))
+            for g in range(num_groups)
+        ]  # fmt: skip
+
+    copied: list[int] = []
+    job = BeamJob(steps("start"), states, lambda: None, row_of, lambda s, d: None)
+    job.prepare(logits)
+    job.finish(sampled.clone())
+    job = BeamJob(
+        steps("step"), states, lambda: None, row_of, lambda s, d: copied.append(1)
+    )
+    with _Ops() as ops:
+        job.prepare(logits)
+        job.finish(sampled.clone())
+    assert copied == [1] and len(job.results) == num_groups
+    return ops.count
+
+
+def test_a_step_of_sixteen_groups_runs_the_operations_of_one() -> None:
+    """The workers' beam step does not repeat per group: 16 live groups
+    cost the tensor operations (launches, on a GPU) of one."""
+    assert _step_ops(16) == _step_ops(1)
