@@ -54,7 +54,8 @@ def packed_keys(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     bits = logprobs.contiguous().view(torch.int32).long()
     monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     keys = (monotone << 32) | (0xFFFFFFFF - tokens.long())
-    return keys.masked_fill_(~torch.isfinite(logprobs), NO_KEY)
+    # A log-prob is finite or -inf (NaN too fails the test): one comparison.
+    return keys.masked_fill_(~(logprobs > float("-inf")), NO_KEY)
 
 
 def without_eos(values: torch.Tensor, seg: Segments, fill: float) -> torch.Tensor:
@@ -62,7 +63,7 @@ def without_eos(values: torch.Tensor, seg: Segments, fill: float) -> torch.Tenso
     one) set to ``fill``."""
     if all(e < 0 for e in seg.eos_ids):
         return values
-    eos = seg.eos[seg.group]
+    eos = seg.row_eos
     token = eos.clamp(min=0)[:, None]
     kept = values.gather(1, token)
     replaced = torch.where(eos[:, None] >= 0, torch.full_like(kept, fill), kept)

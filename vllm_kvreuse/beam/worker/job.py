@@ -178,7 +178,7 @@ class BeamJob:
         assert seg.total_rows == len(ids), "a group's slots are its members"
         rows = torch.tensor(ids, device=device)
         carried_by = torch.cat([s.carriers for s in states])
-        beam_rows = seg.row_start[seg.group] + carried_by
+        beam_rows = seg.row_first + carried_by
         kind = "catalog" if steps[0].catalog else "plain"
         shape = (len(ids), logits.shape[1])
         taken = self._buffer(f"{kind}-logits", shape, logits.dtype, device)
@@ -233,11 +233,11 @@ class BeamJob:
         )
         # Each member row's token: its new beam's, else its own draw.
         total = seg.total_rows
-        slot = torch.where(member >= 0, seg.row_start[seg.out_group] + member, total)
+        slot = torch.where(member >= 0, seg.out_row_first + member, total)
         tokens = torch.cat((sampled, flat.new_zeros(1)))
         tokens.scatter_(0, slot, sel.tokens.to(flat.dtype))
         flat[batch.rows] = tokens[:total]
-        source = batch.carried_by[seg.row_start[seg.out_group] + sel.parents]
+        source = batch.carried_by[seg.out_row_first + sel.parents]
         self._copy(steps, seg, sel, source, member)
         self._advance(steps, states, seg, sel, member, nodes)
         nxt, beams = sel.packed(member)
@@ -315,7 +315,7 @@ class BeamJob:
         if nodes is not None:
             catalog = self._catalog()
             assert catalog is not None
-            parent_nodes = nodes[seg.row_start[seg.out_group] + sel.parents]
+            parent_nodes = nodes[seg.out_row_first + sel.parents]
             child = catalog.child(
                 parent_nodes.to(catalog.device), sel.tokens.to(catalog.device)
             )

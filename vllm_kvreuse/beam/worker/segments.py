@@ -18,27 +18,44 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass(frozen=True, slots=True)
 class Segments:
-    """The layout of a batch of groups (module docstring).
+    """The layout of a batch of groups (module docstring), built on the
+    host and sent in one copy: each row's and each slot's group fields are
+    read in place, not gathered per use.
 
     Per group ``[G]``: ``row_start``, ``num_rows``, ``width``, ``out_start``,
-    ``eos`` (-1: nothing ends a beam), ``row_size``. Per row ``[R]``:
-    ``group``. Per next-beam slot ``[sum(width)]``: ``out_group``. The host
-    keeps the same layout as ints (``rows``, ``widths``) to slice results.
+    ``eos`` (-1: nothing ends a beam), ``row_size``. Per row ``[R]``: its
+    ``group``, its group's ``row_first`` and ``row_count``, ``row_eos``,
+    ``row_limit`` (the group's ``row_size``). Per next-beam slot
+    ``[sum(width)]``: its ``out_group``, its group's ``out_first`` (first
+    slot), ``out_row_first`` and ``out_rows``, its ``out_rank`` in the
+    group. ``table [6, G]``: the per-group fields, stacked (one gather
+    reads them all). The host keeps the layout as ints (``rows``,
+    ``widths``) to slice results.
     """
 
-    group: torch.Tensor
-    out_group: torch.Tensor
     row_start: torch.Tensor
     num_rows: torch.Tensor
     width: torch.Tensor
     out_start: torch.Tensor
     eos: torch.Tensor
     row_size: torch.Tensor
+    group: torch.Tensor
+    row_first: torch.Tensor
+    row_count: torch.Tensor
+    row_eos: torch.Tensor
+    row_limit: torch.Tensor
+    out_group: torch.Tensor
+    out_first: torch.Tensor
+    out_row_first: torch.Tensor
+    out_rows: torch.Tensor
+    out_rank: torch.Tensor
+    table: torch.Tensor
     rows: list[int]
     widths: list[int]
     eos_ids: list[int]
@@ -54,25 +71,26 @@ class Segments:
     ) -> Segments:
         """Groups of ``rows[g]`` beam slots and ``widths[g]`` next beams."""
         assert rows and all(r > 0 for r in rows), "every group has a row"
-        table = torch.tensor(
-            [list(rows), list(widths), list(eos), list(row_sizes)],
-            dtype=torch.long, device=device,
+        num_rows = np.asarray(rows, dtype=np.int64)
+        width = np.asarray(widths, dtype=np.int64)
+        row_start = np.cumsum(num_rows) - num_rows
+        out_start = np.cumsum(width) - width
+        ids = np.arange(len(rows), dtype=np.int64)
+        groups = np.stack(
+            (row_start, num_rows, width, out_start, np.asarray(eos, dtype=np.int64),
+             np.asarray(row_sizes, dtype=np.int64))
         )  # fmt: skip
-        num_rows, width = table[0], table[1]
-        ids = torch.arange(len(rows), device=device)
+        per_row = np.repeat(np.stack((ids, *groups[[0, 1, 4, 5]])), num_rows, axis=1)
+        per_slot = np.repeat(np.stack((ids, *groups[[3, 0, 1]])), width, axis=1)
+        rank = np.arange(per_slot.shape[1]) - per_slot[1]
+        flat = np.concatenate((groups.ravel(), per_row.ravel(), per_slot.ravel(), rank))
+        table = torch.from_numpy(flat).to(device)
+        num, total_rows, total = len(rows), per_row.shape[1], per_slot.shape[1]
+        fields = table.split([num] * 6 + [total_rows] * 5 + [total] * 5)
         return cls(
-            group=ids.repeat_interleave(num_rows, output_size=sum(rows)),
-            out_group=ids.repeat_interleave(width, output_size=sum(widths)),
-            row_start=_exclusive_cumsum(num_rows),
-            num_rows=num_rows,
-            width=width,
-            out_start=_exclusive_cumsum(width),
-            eos=table[2],
-            row_size=table[3],
-            rows=list(rows),
-            widths=list(widths),
-            eos_ids=list(eos),
-        )
+            *fields, table=table[: 6 * num].view(6, num), rows=list(rows),
+            widths=list(widths), eos_ids=list(eos),
+        )  # fmt: skip
 
     @property
     def num_groups(self) -> int:
@@ -85,11 +103,6 @@ class Segments:
     @property
     def total_width(self) -> int:
         return sum(self.widths)
-
-    def out_rank(self) -> torch.Tensor:
-        """Each next-beam slot's place in its group (0 .. width - 1)."""
-        slots = torch.arange(self.total_width, device=self.width.device)
-        return slots - self.out_start[self.out_group]
 
     def row_slices(self) -> list[slice]:
         starts = _host_starts(self.rows)
@@ -135,23 +148,25 @@ def best_per_group(
     ``(parents, tokens, scores, valid)``; ``parents`` are the group's own
     row indices; slots past a group's candidates are zeros, not valid."""
     scores = cum[rows] + logprobs.double()
-    order = torch.sort(-scores, stable=True).indices
-    order = order[torch.sort((~valid[order]).to(torch.int8), stable=True).indices]
+    # A valid candidate's score is finite: -inf puts the others last.
+    ranked = torch.where(valid, scores, float("-inf"))
+    order = torch.sort(-ranked, stable=True).indices
     groups = seg.group[rows]
     order = order[torch.sort(groups[order], stable=True).indices]
     ordered = groups[order]
     counts = group_counts(seg, groups, torch.ones_like(groups))
     rank = torch.arange(len(order), device=rows.device)
     rank -= _exclusive_cumsum(counts)[ordered]
-    take = (rank < seg.width[ordered]) & valid[order]
+    row_start, _, width, out_start = seg.table[:4, ordered]  # one gather
+    take = (rank < width) & valid[order]
     total = seg.total_width
-    slot = torch.where(take, seg.out_start[ordered] + rank, total)  # total: dropped
+    slot = torch.where(take, out_start + rank, total)  # total: dropped
 
     def put(values: torch.Tensor) -> torch.Tensor:
         out = values.new_zeros(total + 1)
         return out.scatter_(0, slot, values)[:total]
 
-    local = rows[order] - seg.row_start[ordered]
+    local = rows[order] - row_start
     return put(local), put(tokens[order]), put(scores[order]), put(take)
 
 
@@ -162,11 +177,10 @@ def carriers_per_group(
     rule of :func:`vllm_kvreuse.beam.worker.select.carriers` with each
     group's rows as its members."""
     device = parents.device
-    rank = seg.out_rank()
-    out_group = seg.out_group
+    rank = seg.out_rank
     total_rows = seg.total_rows
     big = max(seg.widths) + 1
-    member = torch.where(valid, seg.row_start[out_group] + parents, total_rows)
+    member = torch.where(valid, seg.out_row_first + parents, total_rows)
     first = torch.full((total_rows + 1,), big, dtype=torch.long, device=device)
     first.scatter_reduce_(0, member, rank, reduce="amin")
     is_first = valid & (first[member] == rank)
@@ -176,13 +190,11 @@ def carriers_per_group(
     num_spares = seg.num_rows - group_counts(seg, seg.group, has_child)
     extra = (valid & ~is_first).long()
     before = torch.cumsum(extra, 0) - extra
-    first_slot = seg.out_start.clamp(max=max(seg.total_width - 1, 0))
-    nth = before - before[first_slot][out_group]  # extras before it, in its group
-    start = seg.row_start[out_group]
-    last = seg.num_rows[out_group] - 1
-    spare = spares[start + torch.minimum(nth, last)] - start
+    nth = before - before[seg.out_first]  # extras before it, in its group
+    start = seg.out_row_first
+    spare = spares[start + torch.minimum(nth, seg.out_rows - 1)] - start
     carrier = torch.where(
-        is_first, parents, torch.where(nth < num_spares[out_group], spare, -1)
+        is_first, parents, torch.where(nth < num_spares[seg.out_group], spare, -1)
     )
     return torch.where(valid, carrier, -1)
 
@@ -200,14 +212,14 @@ def members_per_group(
     are, per group, the beams' members in beam order, then the members that
     carry no beam, in member order."""
     total_rows = seg.total_rows
-    start = seg.row_start[seg.group]
+    start = seg.row_first
     local = torch.arange(total_rows, device=parents.device) - start
-    key = seg.num_rows[seg.group] + local  # a member with no beam: after every beam
+    key = seg.row_count + local  # a member with no beam: after every beam
     target = torch.where(alive, start + carried_by, total_rows)
     key = torch.cat((key, key.new_zeros(1))).scatter_(0, target, local)[:total_rows]
     slot_member = torch.argsort(2 * start + key)  # per group, in its own rows
     slot = carriers_per_group(seg, parents, valid)
-    out_start = seg.row_start[seg.out_group]
+    out_start = seg.out_row_first
     member = slot_member[out_start + slot.clamp(min=0)] - out_start
     return torch.where(slot >= 0, member, -1)
 
@@ -223,30 +235,24 @@ def block_pairs(
     member's private blocks onto its destination member's, every KV-cache
     group, every group of the batch (``per_member[g]`` blocks each, the
     group's ``blocks[kv][member]``)."""
-    device = source.device
-    count = torch.tensor(per_member, device=device)
-    # Where each group's members' blocks start in the flat id lists.
-    base = torch.cumsum(seg.num_rows * count, 0) - seg.num_rows * count
-    num = sum(w * k for w, k in zip(seg.widths, per_member, strict=True))
-    k = count[seg.out_group]
-    first = torch.cumsum(k, 0) - k
-    within = torch.arange(num, device=device)
-    within -= first.repeat_interleave(k, output_size=num)
-    slot_base = base[seg.out_group]
-    src_pos = (slot_base + source * k).repeat_interleave(k, output_size=num) + within
-    dst_pos = (slot_base + dst_member * k).repeat_interleave(k, output_size=num)
-    dst_pos += within
-    num_kv = max(len(b) for b, n in zip(blocks, per_member, strict=True) if b and n)
-    srcs, dsts = [], []
-    for kv in range(num_kv):
-        flat = [
-            block
-            for b, n in zip(blocks, per_member, strict=True)
-            if b and n
-            for ids in b[kv]
-            for block in ids
-        ]
-        ids = torch.tensor(flat, dtype=torch.long, device=device)
-        srcs.append(ids[src_pos])
-        dsts.append(ids[dst_pos])
-    return torch.cat(srcs), torch.cat(dsts)
+    count = np.asarray(per_member, dtype=np.int64)
+    rows, widths = np.asarray(seg.rows), np.asarray(seg.widths)
+    # Where each group's members' blocks start in the flat id lists, and
+    # for each slot its blocks' count and each block's place among them.
+    base = np.cumsum(rows * count) - rows * count
+    k = np.repeat(count, widths)
+    num = int(k.sum())
+    within = np.arange(num) - np.repeat(np.cumsum(k) - k, k)
+    host = np.concatenate((k, np.repeat(base, widths), within))
+    k_, slot_base, within_ = (
+        torch.from_numpy(host).to(source.device).split([len(k), len(k), num])
+    )
+    src_pos = (slot_base + source * k_).repeat_interleave(k_, output_size=num)
+    dst_pos = (slot_base + dst_member * k_).repeat_interleave(k_, output_size=num)
+    kept = [(b, n) for b, n in zip(blocks, per_member, strict=True) if b and n]
+    ids = torch.tensor(
+        [[block for b, _ in kept for ids in b[kv] for block in ids]
+         for kv in range(len(kept[0][0]))],
+        dtype=torch.long, device=source.device,
+    )  # fmt: skip  # [KV-cache groups, blocks]
+    return ids[:, src_pos + within_].flatten(), ids[:, dst_pos + within_].flatten()

@@ -113,14 +113,14 @@ def eos_rows(
     """Per row, whether EOS ends the beam, and EOS's log-prob (0 where the
     group has no EOS): it is finite and ranks in the row's best
     ``row_size`` (ties to the lower token id), or the sampler drew it."""
-    eos = seg.eos[seg.group]
+    eos = seg.row_eos
     ends = eos >= 0
     token = eos.clamp(min=0)
     lp = logprobs.gather(1, token[:, None]).squeeze(1)
     above = (logprobs > lp[:, None]).sum(dim=1)
     lower = torch.arange(logprobs.shape[1], device=logprobs.device) < token[:, None]
     above += ((logprobs == lp[:, None]) & lower).sum(dim=1)
-    done = above < seg.row_size[seg.group]
+    done = above < seg.row_limit
     if sampled is not None:
         done |= sampled.view(-1) == token
     done &= ends & torch.isfinite(lp)
@@ -155,7 +155,7 @@ def select_rows(
     if any(e >= 0 for e in seg.eos_ids):
         eos_done, eos_lp = eos_rows(logprobs, seg, sampled)
         eos_done &= alive
-        ends = seg.eos[seg.group] >= 0
+        ends = seg.row_eos >= 0
         eos_scores = torch.where(ends, cum + eos_lp.double(), 0.0)
     else:
         eos_done, eos_scores = none, torch.zeros_like(cum)
@@ -188,7 +188,7 @@ def select_catalog_rows(
         seg, beams.reshape(-1), children.reshape(-1), lp.reshape(-1),
         torch.isfinite(lp).reshape(-1), cum,
     )  # fmt: skip
-    eos = seg.eos[seg.group]
+    eos = seg.row_eos
     ends = eos >= 0
     eos_lp = logprobs.gather(1, eos.clamp(min=0)[:, None]).squeeze(1)
     eos_lp = torch.where(ends, eos_lp, 0.0)
