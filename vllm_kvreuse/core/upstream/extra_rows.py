@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvreuse.core.upstream import requests as request_state
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 ROWS_ATTR = "kvreuse_extra_rows"
-"""The scheduler output's extra rows' requests by id (set only here)."""
+"""The scheduler output's extra request ids (set only here)."""
 
 
 class ExtraRows:
@@ -130,24 +129,25 @@ class ExtraRows:
         output.num_common_prefix_blocks = [0] * len(output.num_common_prefix_blocks)
         if v1:  # what the next begin() reads as the step's rows
             scheduler.prev_step_scheduled_req_ids.update(ids)
-        rows = vars(output).setdefault(ROWS_ATTR, {})  # its own attribute
-        rows.update(zip(ids, requests, strict=True))
+        vars(output).setdefault(ROWS_ATTR, set()).update(ids)  # its own attribute
 
     def hidden(self, output: SchedulerOutput) -> SchedulerOutput:
         """``output`` as upstream's ``update_from_output`` walks it: without
         its extra rows, whose requests are no longer in flight."""
-        rows: dict[str, Request] | None = getattr(output, ROWS_ATTR, None)
+        rows: set[str] | None = getattr(output, ROWS_ATTR, None)
         if not rows:
             return output
-        for request in rows.values():  # one freed meanwhile: counts that no one reads
-            request_state.settle_rows(request, 1)
+        requests = self._scheduler.requests
+        for rid in rows:
+            request = requests.get(rid)
+            if request is not None:
+                request_state.settle_rows(request, 1)
         scheduled = {
             rid: n for rid, n in output.num_scheduled_tokens.items() if rid not in rows
         }
         return dataclasses.replace(output, num_scheduled_tokens=scheduled)
 
 
-def extra_rows(output: Any) -> AbstractSet[str]:
+def extra_rows(output: Any) -> set[str]:
     """The extra request ids of a scheduler output."""
-    rows: dict[str, Request] | None = getattr(output, ROWS_ATTR, None)
-    return rows.keys() if rows else frozenset()
+    return getattr(output, ROWS_ATTR, None) or set()
