@@ -5,6 +5,8 @@ preempted, goes member by member with the same beams."""
 
 from __future__ import annotations
 
+import pickle
+
 from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import num_free_blocks
@@ -37,6 +39,7 @@ def search(scheduler, width: int, max_tokens: int, preempt_at: int | None = None
         if not scheduler.has_requests():
             break
         output = scheduler.schedule()
+        pickle.dumps(output)  # what a multiprocess executor sends its workers
         rows.append(extra_rows(output))
         # Upstream's schedule() ran without every extra row's request.
         assert extra_rows(output) <= set(scheduler.kvreuse.holds.last_out[1])
