@@ -15,6 +15,7 @@ time.
 same engine (what a user compares a beam search with) and prints beams / n.
 ``--searches K`` runs K searches (and K samplings) at once, each on its own
 prompt: ``--searches 16 --widths 50`` is 16 concurrent searches of width 50.
+``--step-times`` prints each engine step's wall time of one more search.
 
 ``--compare`` also times, in the same engine, the previous design of engine
 beam search (a new one-token request per beam per step, which the engine
@@ -62,6 +63,11 @@ def main() -> None:
         help="also time n = width sampling of the same length (same engine)",
     )
     parser.add_argument(
+        "--step-times",
+        action="store_true",
+        help="print each engine step's wall time in the last timed search",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also time per-step member requests (the design before live beams)",
@@ -95,7 +101,20 @@ def main() -> None:
     def prompts() -> list[dict]:
         return [{"prompt_token_ids": fresh_prompt()} for _ in range(args.searches)]
 
+    engine_step = llm.llm_engine.step
+    step_ms: list[float] = []
+
+    def timed_step() -> object:
+        start = time.perf_counter()
+        try:
+            return engine_step()
+        finally:
+            step_ms.append((time.perf_counter() - start) * 1e3)
+
+    llm.llm_engine.step = timed_step
+
     def search(width: int) -> float:
+        step_ms.clear()
         batch = prompts()
         params = BeamSearchParams(
             beam_width=width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
@@ -143,6 +162,10 @@ def main() -> None:
             n = statistics.median(sample(width) for _ in range(args.repeats))
             line += f"; n = {width} sampling {n * 1e3:.0f} ms; beams / n {live / n:.2f}"
         print(line)
+        if args.step_times:
+            search(width)
+            steps = ", ".join(f"{ms:.0f}" for ms in step_ms)
+            print(f"  engine steps of one search, ms: {steps} (sum {sum(step_ms):.0f})")
     if not args.top:
         return
 

@@ -171,13 +171,20 @@ def test_tie_order_is_beam_then_token() -> None:
     assert sel.parents.tolist() == [1] * 6 + [2] * 2
 
 
-def catalog_case(seed: int):
-    rng = np.random.default_rng(500 + seed)
+def random_catalog(rng: np.random.Generator, dense: bool) -> SidCatalog:
+    """A catalog of up to 59 three-token items over a small vocabulary,
+    dense levels or CSR ones."""
     vocab = int(rng.integers(8, 50))
     span = min(vocab - 3, 6)
     lows = rng.integers(3, vocab - span + 1, size=3)
     items = lows + rng.integers(0, span, size=(int(rng.integers(1, 60)), 3))
-    catalog = SidCatalog.from_items(items, vocab, dense_max_entries=(seed % 2) * 10**6)
+    return SidCatalog.from_items(items, vocab, dense_max_entries=dense * 10**6)
+
+
+def catalog_case(seed: int):
+    rng = np.random.default_rng(500 + seed)
+    catalog = random_catalog(rng, dense=bool(seed % 2))
+    vocab = catalog.vocab_size
     num_beams = int(rng.integers(1, 9))
     nodes = torch.from_numpy(rng.integers(0, catalog.num_nodes, size=num_beams))
     logits = torch.from_numpy(rng.integers(0, 5, size=(num_beams, vocab)) / 2.0).float()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_kvreuse.beam.catalog.trie import SidCatalog
+from tests.unit.test_beam_select import random_catalog
 from vllm_kvreuse.beam.plan import GroupStep
 from vllm_kvreuse.beam.worker.job import BeamJob
 from vllm_kvreuse.beam.worker.segments import Segments, members_per_group
@@ -96,12 +96,8 @@ def test_a_batch_selects_what_each_group_selects_alone(seed: int, fixed: bool) -
 @pytest.mark.parametrize("seed", range(20))
 def test_a_batch_of_catalog_groups_selects_what_each_selects_alone(seed: int) -> None:
     rng = np.random.default_rng(700 + seed)
-    vocab = int(rng.integers(8, 50))
-    span = min(vocab - 3, 6)
-    lows = rng.integers(3, vocab - span + 1, size=3)
-    items = lows + rng.integers(0, span, size=(int(rng.integers(1, 60)), 3))
-    catalog = SidCatalog.from_items(items, vocab, dense_max_entries=(seed % 2) * 10**6)
-    groups = random_groups(rng, vocab)
+    catalog = random_catalog(rng, dense=bool(seed % 2))
+    groups = random_groups(rng, catalog.vocab_size)
     nodes = [
         torch.from_numpy(rng.integers(0, catalog.num_nodes, size=len(g[1])))
         for g in groups
