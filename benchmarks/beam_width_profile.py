@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", help="bfloat16 on a GPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--searches",
@@ -81,7 +82,7 @@ def main() -> None:
     from vllm.sampling_params import BeamSearchParams, SamplingParams
 
     llm = LLM(
-        args.model, dtype="float32", enforce_eager=True,
+        args.model, dtype=args.dtype, enforce_eager=True,
         max_model_len=args.prompt_tokens + args.max_tokens + 32,
         max_logprobs=2 * max(args.widths) + 1,
         max_num_seqs=max(256, *(w * args.searches for w in args.widths)),

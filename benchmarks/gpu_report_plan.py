@@ -16,6 +16,7 @@ from pathlib import Path
 
 from vllm_kvreuse.testing.server import Server, ServerSettings
 from vllm_kvreuse.testing.server_group import ServerSpec, StartTimes
+from vllm_kvreuse.testing.tiny_model import PRESETS
 
 GIB = 2**30
 SECTION_TITLES = (
@@ -206,12 +207,27 @@ class Plan:
             dtype="auto", enforce_eager=False, kv_cache_bytes=self.kv_bytes[model]
         )
 
+    @property
+    def rag_model_len(self) -> int:
+        """The RAG servers' ``--max-model-len``: the longest shape's documents
+        plus room for the prompt around them and the answer. Raises if the
+        RAG model's preset has fewer positions (vLLM would refuse to start
+        its servers, and the RAG section would not run)."""
+        longest = max(s.documents * s.doc_tokens for s in self.sizes.rag_shapes)
+        length = longest + 2048
+        positions = PRESETS[self.models[self.rag_model]].max_positions
+        if length > positions:
+            raise ValueError(
+                f"the RAG shapes need --max-model-len {length}, more than the "
+                f"{positions} positions of {self.rag_model}"
+            )
+        return length
+
     def common_args(self, model: str) -> list[str]:
         if model == self.rag_model and not self.dry_run:
-            longest = max(s.documents * s.doc_tokens for s in self.sizes.rag_shapes)
             return [
                 "--max-model-len",
-                str(longest + 2048),
+                str(self.rag_model_len),
                 "--max-num-batched-tokens",
                 "8192",
                 "--max-num-seqs",
@@ -357,8 +373,6 @@ class Plan:
         may go). Every preset shares one tokenizer: the tiny model's is read."""
         import rag_chunk_cache
         from transformers import AutoTokenizer
-
-        from vllm_kvreuse.testing.tiny_model import PRESETS
 
         tokenizer = AutoTokenizer.from_pretrained("models/tiny")
         sample = rag_chunk_cache.document(0, 200)

@@ -208,6 +208,8 @@ def server_args(mode: str, catalog: Path, args) -> list[str]:
     common = ["--max-logprobs", str(2 * max(args.widths) + 1)]
     length = args.prompt_tokens + 64 + (args.thinking_tokens if args.two_stage else 0)
     common += ["--max-model-len", str(length)]
+    if args.max_num_seqs:
+        common += ["--max-num-seqs", str(args.max_num_seqs)]
     if mode == "plain":
         return common
     extra = ["--engine-beam-search"]
@@ -324,6 +326,11 @@ def main() -> None:
     parser.add_argument("--saturation-widths", type=int, nargs="+", default=[50])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--per-client", type=int, default=2)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="every server's running requests (default: vLLM's, 128 on a CPU "
+        "server: two groups of width 50)",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seed", type=int, default=0)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvreuse.testing.tiny_model import PRESETS
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(3600),  # servers start on however few cores there are
@@ -61,3 +63,17 @@ def test_every_section_of_the_report_produces_its_table(
     assert results["Two-stage (OpenOneRec)"]["d_over_stage1"] > 0
     files = [p for p in tmp_path.iterdir()]
     assert len(files) <= 8 and all(p.is_file() for p in files), files
+
+
+def test_the_gpu_plan_fits_its_models(tmp_path: Path, monkeypatch) -> None:
+    """Every server the GPU report starts asks for no more positions than
+    its model has (a 32K RAG shape once stopped both RAG servers)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_report_plan import Plan
+
+    plan = Plan.make(False, tmp_path)
+    for model in plan.models:
+        args = plan.common_args(model)
+        length = int(args[args.index("--max-model-len") + 1])
+        assert length <= PRESETS[plan.models[model]].max_positions, model
+    assert plan.rag_model_len >= 32_000
