@@ -423,3 +423,84 @@ def test_a_slow_store_costs_a_lookup_its_deadline(valkey) -> None:
     assert store.lookup([b"a"]) == {} and not store.available
     waited = time.monotonic() - began
     assert waited < 1.5, f"the lookup waited {waited:.2f} s for a stalled store"
+
+
+class GatedCopies:
+    """Copies to the host that finish only when the test opens the gate
+    (what a GPU's background copy looks like to the tiers)."""
+
+    def __init__(self, budget: int = 1 << 30, fail: bool = False) -> None:
+        import threading
+
+        from vllm_kvreuse.device.host_copy import HostCopies
+
+        self.gate, self.fail = threading.Event(), fail
+        self.copies = HostCopies(self._copy, budget)
+
+    def _copy(self, tensor: torch.Tensor):
+        def finish() -> torch.Tensor:
+            assert self.gate.wait(10)
+            if self.fail:
+                raise RuntimeError("copy engine gone")
+            return tensor.clone()
+
+        return finish
+
+    def finish(self) -> None:
+        self.gate.set()
+        self.copies.close()
+
+
+def moving(change) -> tuple[LocalTiers, torch.Tensor, GatedCopies]:
+    """A chunk moved down to the CPU tier, then ``change(tiers)`` while
+    its copy is in flight, then the copy completes."""
+    from vllm_kvreuse.chunk_cache.messages import StoreOp
+
+    gated = GatedCopies()
+    tiers = LocalTiers(torch.device("cpu"), host_copies=gated.copies)
+    tensor = torch.randn(2, 2, 8, 1, 32)
+    tiers.put(b"a", tensor, META)
+    tiers.apply(StoreOp("move", b"a", "device", "cpu", META))
+    assert tiers.get(b"a") is tensor  # readable on the device meanwhile
+    change(tiers)
+    gated.finish()
+    return tiers, tensor, gated
+
+
+def test_a_move_to_host_memory_completes_off_the_step_bit_for_bit() -> None:
+    tiers, tensor, _ = moving(lambda tiers: None)
+    moved = tiers.get(b"a")
+    assert moved is not tensor and torch.equal(moved, tensor)
+    assert tiers.meta(b"a") == META and not tiers._moving
+
+
+def test_a_later_decision_cancels_a_move_in_flight() -> None:
+    """The copy never undoes what the index decided after asking for it:
+    an eviction stays evicted, a chunk moved back up stays on the device,
+    a chunk stored again keeps its new tensor."""
+    from vllm_kvreuse.chunk_cache.messages import StoreOp
+
+    tiers, _, _ = moving(lambda t: t.apply(StoreOp("evict", b"a", meta=META)))
+    assert tiers.get(b"a") is None and tiers.meta(b"a") is None
+    tiers, tensor, _ = moving(
+        lambda t: t.apply(StoreOp("move", b"a", "cpu", "device", META))
+    )
+    assert tiers.get(b"a") is tensor
+    again = torch.ones(2, 2, 8, 1, 32)
+    tiers, _, _ = moving(lambda t: t.put(b"a", again, META))
+    assert tiers.get(b"a") is again
+
+
+def test_a_failed_or_unaffordable_copy_leaves_the_chunk_readable() -> None:
+    from vllm_kvreuse.chunk_cache.messages import StoreOp
+
+    gated = GatedCopies(fail=True)
+    tiers = LocalTiers(torch.device("cpu"), host_copies=gated.copies)
+    tensor = torch.randn(2, 2, 8, 1, 32)
+    tiers.put(b"a", tensor, META)
+    tiers.apply(StoreOp("move", b"a", "device", "cpu", META))
+    gated.finish()
+    assert tiers.get(b"a") is tensor  # where it was: still the chunk
+    small = GatedCopies(budget=tensor.numel() * tensor.element_size() - 1)
+    assert not small.copies.start(tensor, lambda host: None)  # over the budget
+    small.finish()

@@ -15,7 +15,9 @@ platform. Nothing outside this folder indexes a KV cache.
   rotation, and rotating neox RoPE in halves);
 - ``npu.py``: chunk moves over vllm-ascend's KV cache (Ascend NPU);
 - ``npu_kernels.py``: the Ascend kernels, each beside its torch equivalent;
-- ``block_copy.py``: copy-on-write block copies over every KV layout.
+- ``block_copy.py``: copy-on-write block copies over every KV layout;
+- ``host_copy.py``: stored chunks copied to host memory off the step's
+  path (a thread and a stream of their own, on CUDA).
 
 Platform code beside them: ``cpu_cores.py``, CPU workers' OpenMP binding
 with a connector of the plugin (a registered patch).

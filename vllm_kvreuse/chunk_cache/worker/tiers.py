@@ -20,9 +20,14 @@ Memory is bounded: background writes queue at most :data:`QUEUE_BYTES`
 (a publish or spill beyond it is dropped and counted, :meth:`take_dropped`),
 so a slow disk or store costs chunks, never memory.
 
-Threads: one, for disk writes and shared-store writes (blocking I/O that
-must not hold up a step); reads run on the worker's thread, in the step
-that loads them.
+Threads: one for disk writes and shared-store writes (blocking I/O that
+must not hold up a step); on a GPU, one more for moves down to the CPU tier
+(:class:`~vllm_kvreuse.device.host_copy.HostCopies`: pinned memory and the
+copy, off the step). A chunk moving down stays readable on the device until
+its host copy is complete, and any later decision about it (evicted, moved
+up or further down, stored again) cancels the move first, so the copy never
+replaces what the index decided since. Reads run on the worker's thread, in
+the step that loads them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from vllm_kvreuse.chunk_cache.messages import StoreOp
 from vllm_kvreuse.chunk_cache.tiers.codec import ChunkKey, CorruptChunk, Meta
 from vllm_kvreuse.chunk_cache.tiers.disk import DiskFiles
 from vllm_kvreuse.chunk_cache.tiers.shared import SharedStore
+from vllm_kvreuse.device.host_copy import HostCopies, to_host
 
 logger = init_logger(__name__)
 
@@ -54,9 +60,12 @@ class LocalTiers:
         disk: DiskFiles | None = None,
         shared: SharedStore | None = None,
         queue_bytes: int = QUEUE_BYTES,
+        host_copies: HostCopies | None = None,
     ) -> None:
         self.device = device
         self.disk, self.shared = disk, shared
+        self.host_copies = host_copies
+        self._moving: dict[ChunkKey, torch.Tensor] = {}  # down to the CPU tier
         self.memory: dict[ChunkKey, torch.Tensor] = {}  # [layers, 2, n, H, D]
         self.metas: dict[ChunkKey, Meta] = {}  # of the chunks in memory
         self._writing: dict[ChunkKey, torch.Tensor] = {}  # to disk, not yet there
@@ -80,6 +89,7 @@ class LocalTiers:
         return self.metas.get(key)
 
     def put(self, key: ChunkKey, tensor: torch.Tensor, meta: Meta) -> None:
+        self._cancel_move(key)
         self.memory[key], self.metas[key] = tensor, meta
         self._lost.discard(key)
 
@@ -97,6 +107,7 @@ class LocalTiers:
 
     def apply(self, op: StoreOp) -> None:
         """One of the index's decisions (publishes: :meth:`publish`)."""
+        self._cancel_move(op.key)
         if op.kind == "evict":
             self._forget(op.key)
             if self.disk is not None and self._io is not None:
@@ -104,8 +115,7 @@ class LocalTiers:
         elif op.kind == "move" and op.target == "device":
             self._move_up(op.key, op.source, op.meta)
         elif op.kind == "move" and op.target == "cpu":
-            if (tensor := self.memory.get(op.key)) is not None:
-                self.memory[op.key] = _to_host(tensor)
+            self._move_down(op.key)
         elif op.kind == "move" and op.target == "disk":
             self._spill(op.key, op.meta)
 
@@ -118,8 +128,43 @@ class LocalTiers:
         self._submit(tensor, self.shared.put, key, tensor, meta)
 
     def close(self) -> None:
+        if self.host_copies is not None:
+            self.host_copies.close()
         if self._io is not None:
             self._io.shutdown(wait=True)
+
+    def _move_down(self, key: ChunkKey) -> None:
+        """The chunk to host memory: in the background where the device
+        allows it (it stays readable on the device until then), else now."""
+        tensor = self.memory.get(key)
+        if tensor is None:
+            return
+        if self.host_copies is not None:
+
+            def done(host: torch.Tensor) -> None:
+                self._moved(key, tensor, host)
+
+            with self._lock:
+                self._moving[key] = tensor  # before the copy can finish
+            if self.host_copies.start(tensor, done):
+                return
+            self._cancel_move(key)
+        self.memory[key] = to_host(tensor)
+
+    def _moved(self, key: ChunkKey, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """A move down complete (on the copy thread): the host copy replaces
+        the device tensor, unless a later decision cancelled the move."""
+        with self._lock:
+            if self._moving.get(key) is not tensor:
+                return
+            del self._moving[key]
+            if self.memory.get(key) is tensor:
+                self.memory[key] = host
+
+    def _cancel_move(self, key: ChunkKey) -> None:
+        """Called before anything else changes ``key``'s place in memory."""
+        with self._lock:
+            self._moving.pop(key, None)
 
     def _forget(self, key: ChunkKey) -> None:
         self.memory.pop(key, None)
@@ -208,15 +253,3 @@ class LocalTiers:
             call(*args)
         except Exception as error:
             logger.warning("chunk cache: background store I/O failed: %s", error)
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in host memory, pinned where the device copies from it
-    (a pageable copy is staged by the driver: slower, and not async)."""
-    if tensor.device.type == "cpu":
-        return tensor
-    from vllm.utils.platform_utils import is_pin_memory_available
-
-    host = torch.empty_like(tensor, device="cpu", pin_memory=is_pin_memory_available())
-    host.copy_(tensor)
-    return host
