@@ -170,24 +170,30 @@ def beams(config: Config) -> dict:
     args.catalog_items = bench.write_catalog(Path(tempfile.mkdtemp()) / "c.txt", args)
     urls = config["urls"]
     width, concurrency = args.saturation_widths[0], args.concurrency[-1]
-    qps, latency = {}, {}
+    qps, latency, groups = {}, {}, {}
     for mode, url in urls.items():
         args.prompt_numbers = itertools.count()
         latency[(mode, width)] = asyncio.run(bench.latency(url, mode, width, args))
+        before = bench.group_counters(url)
         qps[mode] = asyncio.run(bench.throughput(url, mode, width, concurrency, args))
+        groups[mode] = bench.per_group(before, bench.group_counters(url))
     print(
         f"Width {width}, {concurrency} clients, {args.per_client} requests each; "
         f"prompts of {args.prompt_tokens} tokens, 3 SID tokens, 3 codebooks of "
         f"{args.codebook}, a catalog of {args.items} items.\n"
     )
-    print("| mode | requests/s | vs plain | p50 alone | illegal SIDs |")
-    print("|---|---:|---:|---:|---:|")
+    print("| mode | requests/s | vs plain | p50 alone | illegal SIDs | a group |")
+    print("|---|---:|---:|---:|---:|---|")
     for mode in urls:
         seconds, illegal = latency[(mode, width)]
         print(
             f"| {mode} | {qps[mode]:.2f} | {qps[mode] / qps['plain']:.2f}x | "
-            f"{seconds * 1e3:.0f} ms | {illegal:.0%} |"
+            f"{seconds * 1e3:.0f} ms | {illegal:.0%} | {groups[mode]} |"
         )
+    print(
+        "\nA group: what each engine beam search did under the clients' load, "
+        "on average (its server's counters): steps run as one request, forks."
+    )
     result = {
         "qps": qps,
         "catalog_over_plain": qps["catalog"] / qps["plain"],

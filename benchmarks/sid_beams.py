@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_kvreuse.testing.server import SERVED_MODEL, ServerSettings
+from vllm_kvreuse.testing.server import SERVED_MODEL, ServerSettings, metric
 from vllm_kvreuse.testing.server_group import ServerSpec, StartTimes, start_servers
 
 MODES = ("plain", "engine", "catalog")
@@ -109,6 +109,25 @@ async def latency(url: str, mode: str, width: int, args) -> tuple[float, float]:
             illegal += sum(b not in items for b in beams)
             total += len(beams)
     return statistics.median(times), illegal / max(total, 1)
+
+
+GROUP_COUNTERS = ("groups", "steps_as_one", "forks")
+
+
+def group_counters(url: str) -> dict[str, float]:
+    """The server's engine beam-group counters (zeros on vLLM's own)."""
+    return {n: metric(url, f"vllm_kvreuse:beam_{n}_total") for n in GROUP_COUNTERS}
+
+
+def per_group(before: dict[str, float], after: dict[str, float]) -> str:
+    """What the groups between two readings did, each on average: steps
+    run as one request, and forks (new member requests and moved beams)."""
+    groups = after["groups"] - before["groups"]
+    if not groups:
+        return "-"
+    as_one = (after["steps_as_one"] - before["steps_as_one"]) / groups
+    forks = (after["forks"] - before["forks"]) / groups
+    return f"{as_one:.1f} steps as one, {forks:.0f} forks"
 
 
 async def saturate(call, concurrency: int, per_client: int) -> float:
@@ -230,18 +249,19 @@ def measure_mode(url: str, mode: str, args) -> dict:
     ``url`` started for ``mode``."""
     args.prompt_numbers = itertools.count()
     lat = {w: asyncio.run(latency(url, mode, w, args)) for w in args.widths}
-    qps = {
-        (w, c): asyncio.run(throughput(url, mode, w, c, args))
-        for w in args.saturation_widths
-        for c in args.concurrency
-    }
+    qps, groups = {}, {}
+    for w in args.saturation_widths:
+        for c in args.concurrency:
+            before = group_counters(url)
+            qps[(w, c)] = asyncio.run(throughput(url, mode, w, c, args))
+            groups[(w, c)] = per_group(before, group_counters(url))
     chains = {}
     if args.two_stage and mode in ("plain", "catalog"):
         chains = {
             w: asyncio.run(two_stage_runs(url, mode, w, args))
             for w in args.saturation_widths
         }
-    return {"latency": lat, "qps": qps, "two_stage": chains}
+    return {"latency": lat, "qps": qps, "groups": groups, "two_stage": chains}
 
 
 def run_modes(modes: list[str], catalog: Path, args) -> dict[str, dict]:
@@ -285,6 +305,11 @@ def report(results: dict[str, dict], args) -> None:
             qps = [results[m]["qps"][(w, c)] for m in modes]
             cells = " | ".join(f"{q:.2f}" for q in qps)
             print(f"| {w} | {c} | {cells} | {qps[-1] / qps[0]:.2f}x |")
+    print("\nA group under load, on average (the server's counters):")
+    for w in args.saturation_widths:
+        for c in args.concurrency:
+            for m in modes:
+                print(f"- width {w}, {c} clients, {m}: {results[m]['groups'][(w, c)]}")
     if args.two_stage and {"plain", "catalog"} <= set(results):
         report_two_stage(
             results["plain"]["two_stage"], results["catalog"]["two_stage"], args
