@@ -13,6 +13,7 @@ rag        TTFT, plain vLLM vs chunk cache, 7B shape                 2
 beams      vLLM's beam search vs engine beams vs catalog beams      3
 two_stage  OpenOneRec's think-then-recommend, modes (a)-(d)          2
 micro      chunk load and save vs copy bandwidth                     none
+beam_steps a step of 16 beam groups by part; each step of 16 searches none
 ========== ======================================================== =======
 
 ``OUT/report.md`` gains each section's table as soon as it is done, so a
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks beside it
 
 import gpu_report_correctness as correctness
 from gpu_report_plan import Plan
-from gpu_report_summary import summary
+from gpu_report_summary import STEPS, summary
 
 from vllm_kvreuse.testing.server import Server
 from vllm_kvreuse.testing.server_group import StartTimes, start_servers
@@ -255,6 +256,9 @@ def main() -> None:
         "micro", plan.config("micro", {}), plan.budget("micro", begin), log
     )
     report.section("Chunk load against copy bandwidth", text, result)
+    budget = plan.budget("beam_steps", begin)
+    text, result = run_section("beam_steps", plan.config("beam_steps", {}), budget, log)
+    report.section(STEPS, text, result)
     report.section("Summary", summary(report.results, time.monotonic() - begin, plan))
 
 

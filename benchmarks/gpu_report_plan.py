@@ -57,6 +57,7 @@ class Sizes:
     beam_args: dict
     two_stage_args: dict
     micro_argv: list[str]
+    beam_steps: dict[str, str]  # overhead / profile: their scripts' arguments
 
 
 GPU_SIZES = Sizes(
@@ -90,6 +91,16 @@ GPU_SIZES = Sizes(
         "4096",
         "16384",
     ],
+    beam_steps=dict(
+        overhead=(
+            "--model models/small --sync --dtype bfloat16 --widths 50 --searches 16 "
+            "--repeats 1 --lp-max-width 0 --kv-cache-mib 8192"
+        ),
+        profile=(
+            "--model models/small --dtype bfloat16 --top 0 --widths 50 --searches 16 "
+            "--repeats 2 --ignore-eos --step-times --prompt-tokens 2500"
+        ),
+    ),
 )
 DRY_SIZES = Sizes(
     rag_shapes=(RagShape(4, 120, 2), RagShape(8, 100, 1)),
@@ -109,6 +120,16 @@ DRY_SIZES = Sizes(
         requests=2, concurrency=2, prompt_words=20, thinking_tokens=8, beam_width=4
     ),
     micro_argv=["--device", "cpu", "--tokens", "64", "--repeats", "2", "--warmup", "1"],
+    beam_steps=dict(
+        overhead=(
+            "--widths 4 --searches 2 --repeats 1 --steps 2 --lp-max-width 0 "
+            "--kv-cache-mib 64"
+        ),
+        profile=(
+            "--top 0 --widths 4 --searches 2 --repeats 1 --ignore-eos --step-times "
+            "--prompt-tokens 64"
+        ),
+    ),
 )
 
 
@@ -155,6 +176,7 @@ class Plan:
                     beams=90,
                     two_stage=50,
                     micro=60,
+                    beam_steps=100,
                 ),
                 kv_bytes={"models/7b": 3 * GIB, "models/small": 3 * GIB // 2},
             )
@@ -332,6 +354,8 @@ class Plan:
                 "engine": url("engine"),
                 "args": args,
             }
+        if name == "beam_steps":
+            return sizes.beam_steps
         return {"argv": sizes.micro_argv}
 
     def describe(self, times: StartTimes, servers: dict[str, Server]) -> str:

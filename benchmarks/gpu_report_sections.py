@@ -6,9 +6,10 @@ report's summary checks. :mod:`gpu_report` starts one such process per
 section, kills it at the section's budget and keeps what it printed, so a
 section that runs long never holds up the next.
 
-Sections: ``env`` (device and software), ``rag``, ``beams``, ``two_stage``
-and ``micro``; the servers they talk to were started by the report, their
-URLs are in the config.
+Sections: ``env`` (device and software), ``rag``, ``beams``, ``two_stage``,
+``micro`` and ``beam_steps``; the servers they talk to were started by the
+report, their URLs are in the config (``micro`` and ``beam_steps`` run
+after the servers are gone, on the idle device).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,12 +257,44 @@ def micro(config: Config) -> dict:
     return {"share_of_copy": shares}
 
 
+def beam_steps(config: Config) -> dict:
+    """Where a beam step's time goes, in-process engines on the idle device:
+    16 groups' step against their 800 members decoding (host parts, each
+    waiting for the device), then every engine step of 16 searches on the
+    report's prompts (steps a search takes, and what each costs)."""
+    here = Path(__file__).parent
+    result: dict[str, float] = {}
+    for script, line in (
+        ("beam_step_overhead.py", config["overhead"]),
+        ("beam_width_profile.py", config["profile"]),
+    ):
+        argv = line.split()
+        done = subprocess.run(
+            [sys.executable, str(here / script), *argv],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        print(f"`{script} {' '.join(argv)}`\n\n```text\n{done.stdout.strip()}\n```\n")
+        if done.returncode:
+            print(f"**exit {done.returncode}**: {done.stderr[-2000:]}")
+        if m := re.search(r"overhead beams / decode: ([0-9.]+)x", done.stdout):
+            result["host_beams_over_decode"] = float(m.group(1))
+        if m := re.search(r"engine steps of one search, ms: ([0-9, ]+)", done.stdout):
+            times = m.group(1).strip(" ,")
+            result["steps_per_search"] = len(times.split(","))
+    print("| figure | value |\n|---|---:|")
+    ratio = result.get("host_beams_over_decode")
+    print(f"| host time, a step of the groups / their members decoding | {ratio}x |")
+    print(f"| engine steps of one search | {result.get('steps_per_search')} |")
+    return result
+
+
 SECTIONS = {
     "env": env,
     "rag": rag,
     "beams": beams,
     "two_stage": two_stage,
     "micro": micro,
+    "beam_steps": beam_steps,
 }
 
 

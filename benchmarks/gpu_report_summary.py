@@ -8,6 +8,8 @@ import json
 
 from gpu_report_plan import SECTION_TITLES, Plan
 
+STEPS = "Beam steps: where a step's time goes"
+
 
 def rag_checks(shapes: dict[str, dict[str, float]]) -> list[tuple]:
     """The RAG targets at each prompt shape (the first, about 4K tokens,
@@ -87,6 +89,12 @@ def summary(results: dict, seconds: float, plan: Plan) -> str:
             get(two, "d_over_stage1"),
             "<= 1.10",
             lambda v: v <= 1.10,
+        ),
+        (
+            "a step of 16 beam groups: host time / their members decoding",
+            get(STEPS, "host_beams_over_decode"),
+            "(reported)",
+            None,
         ),
         (
             "chunk load, share of copy bandwidth, 4K tokens (worst shape)",

@@ -31,6 +31,7 @@ SECTIONS = (
     "Beams: engine and catalog beams against vLLM's beam search",
     "Two-stage (OpenOneRec)",
     "Chunk load against copy bandwidth",
+    "Beam steps: where a step's time goes",
     "Summary",
 )
 
@@ -61,6 +62,8 @@ def test_every_section_of_the_report_produces_its_table(
     beams = results["Beams: engine and catalog beams against vLLM's beam search"]
     assert beams["illegal_catalog"] == 0
     assert results["Two-stage (OpenOneRec)"]["d_over_stage1"] > 0
+    steps = results["Beam steps: where a step's time goes"]
+    assert steps["host_beams_over_decode"] > 0 and steps["steps_per_search"] >= 2
     files = [p for p in tmp_path.iterdir()]
     assert len(files) <= 8 and all(p.is_file() for p in files), files
 
