@@ -60,11 +60,13 @@ def cuda_copy(device: torch.device) -> Copy:
         ready.record(torch.cuda.current_stream(device))
 
         def finish() -> torch.Tensor:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                host.copy_(tensor, non_blocking=True)
-            stream.synchronize()
+            # This thread's current device is the default one: name it.
+            with torch.cuda.device(device):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    host.copy_(tensor, non_blocking=True)
+                stream.synchronize()
             return host
 
         return finish
