@@ -281,10 +281,14 @@ def beam_steps(config: Config) -> dict:
         if m := re.search(r"engine steps of one search, ms: ([0-9, ]+)", done.stdout):
             times = m.group(1).strip(" ,")
             result["steps_per_search"] = len(times.split(","))
-    print("| figure | value |\n|---|---:|")
     ratio = result.get("host_beams_over_decode")
-    print(f"| host time, a step of the groups / their members decoding | {ratio}x |")
-    print(f"| engine steps of one search | {result.get('steps_per_search')} |")
+    steps = result.get("steps_per_search")
+    print("| figure | value |\n|---|---:|")
+    print(
+        "| host time, a step of the groups / their members decoding | "
+        f"{'not measured' if ratio is None else f'{ratio}x'} |"
+    )
+    print(f"| engine steps of one search | {steps or 'not measured'} |")
     return result
 
 

@@ -32,20 +32,28 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+IN_FLIGHT_BYTES = 1 << 30
+"""Device memory the copies in flight may hold past the store's accounting."""
+
 Copy = Callable[[torch.Tensor], Callable[[], torch.Tensor]]
 """Starts a copy on the caller's thread (records what it must wait for);
 the returned call finishes it on the copy thread and returns the host
 tensor."""
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in host memory, pinned where the device copies from it (a
-    pageable copy is staged by the driver: slower, and not async)."""
-    if tensor.device.type == "cpu":
-        return tensor
+def host_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor for ``tensor``, pinned where the device copies
+    from it (a pageable copy is staged by the driver: slower, not async)."""
     from vllm.utils.platform_utils import is_pin_memory_available
 
-    host = torch.empty_like(tensor, device="cpu", pin_memory=is_pin_memory_available())
+    return torch.empty_like(tensor, device="cpu", pin_memory=is_pin_memory_available())
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory, copied now (on the caller's stream)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = host_like(tensor)
     host.copy_(tensor)
     return host
 
@@ -62,7 +70,7 @@ def cuda_copy(device: torch.device) -> Copy:
         def finish() -> torch.Tensor:
             # This thread's current device is the default one: name it.
             with torch.cuda.device(device):
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host = host_like(tensor)
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
                     host.copy_(tensor, non_blocking=True)
@@ -84,7 +92,9 @@ class HostCopies:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvreuse-host-copy")
 
     @classmethod
-    def for_device(cls, device: torch.device, budget: int) -> HostCopies | None:
+    def for_device(
+        cls, device: torch.device, budget: int = IN_FLIGHT_BYTES
+    ) -> HostCopies | None:
         """Background copies where the device has a stream API this module
         uses (CUDA); None elsewhere (the caller copies in the step)."""
         if device.type != "cuda":

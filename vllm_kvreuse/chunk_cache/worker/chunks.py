@@ -22,7 +22,7 @@ from vllm_kvreuse import device
 from vllm_kvreuse.chunk_cache.messages import ChunkMeta, LoadSpec, SaveSpec
 from vllm_kvreuse.chunk_cache.tiers.codec import ChunkKey, Layout, Meta
 from vllm_kvreuse.chunk_cache.tiers.opening import open_tiers
-from vllm_kvreuse.chunk_cache.worker.tiers import QUEUE_BYTES, LocalTiers
+from vllm_kvreuse.chunk_cache.worker.tiers import LocalTiers
 from vllm_kvreuse.core.spec import settings_of
 from vllm_kvreuse.device.host_copy import HostCopies
 
@@ -142,5 +142,5 @@ def worker_tiers(vllm_config: Any, ops: device.DeviceOps) -> LocalTiers:
     ranks = pp.world_size * tp.world_size
     settings, layout = settings_of(vllm_config), Layout(*ops.chunk_layout)
     disk, shared = open_tiers(vllm_config, settings, rank, ranks, layout)
-    copies = HostCopies.for_device(ops.device, QUEUE_BYTES)
+    copies = HostCopies.for_device(ops.device)
     return LocalTiers(ops.device, disk, shared, host_copies=copies)
