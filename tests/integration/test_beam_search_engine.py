@@ -121,3 +121,34 @@ def test_beams_live_across_steps(llm: LLM) -> None:
             assert a == pytest.approx(b, abs=1e-3)
     assert core.internal.num_spawned - spawned == 2 * 6  # not 2 * 6 * 39
     assert live.num_moved > moved  # members took other beams (KV copied)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_step_of_beams_alone_draws_nothing(
+    llm: LLM, ignore_eos: bool, runner: str
+) -> None:
+    """A step whose rows are all beam members (greedy, no log-probs asked)
+    skips upstream's sampler: every token is the beam step's. The beams are
+    still vLLM's loop's. (V1 runner: the V2 runner's sampler still draws.)"""
+    if runner != "v1":
+        pytest.skip("the V2 runner's sampler draws for beam rows too")
+    from vllm.v1.sample.sampler import Sampler
+
+    params = BeamSearchParams(beam_width=4, max_tokens=5, ignore_eos=ignore_eos)
+    batch = prompts(3, first_seed=11)
+    expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
+    draws: list[int] = []
+    original = Sampler.sample
+
+    def counted(self, logits, *args, **kwargs):
+        draws.append(len(logits))
+        return original(self, logits, *args, **kwargs)
+
+    Sampler.sample = counted
+    try:
+        got = summary(llm.beam_search(batch, params, concurrency_limit=3))
+    finally:
+        Sampler.sample = original
+    assert draws == []
+    for want, have in zip(expected, got, strict=True):
+        assert_same_ranking(want, have)

@@ -50,8 +50,9 @@ class Candidates:
 def packed_keys(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """int64 keys ordering ``(logprob desc, token asc)`` as plain integers:
     the float's bits made monotone in the high half, ``~token`` in the low
-    half. Non-finite log-probs get :data:`NO_KEY`."""
-    bits = logprobs.contiguous().view(torch.int32).long()
+    half (-0.0 taken as +0.0, so that equal values tie). Non-finite
+    log-probs get :data:`NO_KEY`."""
+    bits = (logprobs + 0.0).view(torch.int32).long()
     monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     keys = (monotone << 32) | (0xFFFFFFFF - tokens.long())
     # A log-prob is finite or -inf (NaN too fails the test): one comparison.

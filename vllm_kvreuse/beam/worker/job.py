@@ -190,12 +190,9 @@ class BeamJob:
         )  # fmt: skip
 
     def _buffer(
-        self,
-        name: str,
-        shape: tuple[int, int],
-        dtype: torch.dtype,
+        self, name: str, shape: tuple[int, int], dtype: torch.dtype,
         device: torch.device,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         """A scratch tensor kept across steps, on CPU (None elsewhere: the
         caching allocator keeps them there; and past :data:`SCRATCH_BYTES`,
         not to keep a wide search's memory for good). On CPU a fresh
@@ -210,15 +207,37 @@ class BeamJob:
             buffer = self._scratch[name] = torch.empty(size, dtype=dtype)
         return buffer[:size].view(shape)
 
-    def finish(self, sampled: torch.Tensor) -> None:
+    def holds_every_row(self, num_rows: int) -> bool:
+        """Whether the groups' members are all ``num_rows`` rows the sampler
+        sees (after :meth:`prepare`; each member is one row)."""
+        return sum(len(batch.rows) for batch in self._batches) == num_rows
+
+    def reads_draws(self, all_greedy: bool) -> bool:
+        """Whether a group's step reads the sampler's draws: a plain group
+        whose EOS ends beams, when the draw may be other than the row's
+        best token (:func:`.select.eos_rows`: a drawn EOS ends its beam).
+        A greedy draw is the raw argmax (members carry no bias, penalty or
+        minimum length: :func:`~vllm_kvreuse.beam.scheduler.group.member_request`),
+        which ranks first in its row and ends a beam by rank already."""
+        if all_greedy:
+            return False
+        return any(
+            step.eos >= 0 and not step.catalog
+            for batch in self._batches
+            for step in batch.steps
+        )
+
+    def finish(self, sampled: torch.Tensor, drawn: bool = True) -> None:
         """Runs every group's step and applies it (module docstring);
         ``sampled``: ``[N, 1]`` or ``[N]``, the sampler's output, whose
-        carriers' tokens are overwritten in place."""
+        carriers' tokens are overwritten in place. ``drawn`` False: the
+        sampler did not run (:meth:`reads_draws` was False) and ``sampled``
+        holds placeholders; a member left without a beam keeps one."""
         batches, self._batches = self._batches, []
         for batch in batches:
-            self._run(batch, sampled.view(-1))
+            self._run(batch, sampled.view(-1), drawn)
 
-    def _run(self, batch: _Batch, flat: torch.Tensor) -> None:
+    def _run(self, batch: _Batch, flat: torch.Tensor, drawn: bool) -> None:
         steps, states, seg = batch.steps, batch.states, batch.seg
         sampled = flat[batch.rows]
         nodes = None
@@ -226,7 +245,7 @@ class BeamJob:
             nodes = torch.cat([s.nodes for s in states if s.nodes is not None])
         sel = self._select(
             seg, batch.logprobs, torch.cat([s.cum for s in states]), batch.alive,
-            sampled[batch.beam_rows], nodes,
+            sampled[batch.beam_rows] if drawn else None, nodes,
         )  # fmt: skip
         member = members_per_group(
             seg, batch.carried_by, batch.alive, sel.parents, sel.valid
@@ -254,14 +273,9 @@ class BeamJob:
         return self.states[step.group_id]
 
     def _select(
-        self,
-        seg: Segments,
-        logprobs: torch.Tensor,
-        cum: torch.Tensor,
-        alive: torch.Tensor,
-        sampled: torch.Tensor,
-        nodes: torch.Tensor | None,
-    ) -> Selection:
+        self, seg: Segments, logprobs: torch.Tensor, cum: torch.Tensor,
+        alive: torch.Tensor, sampled: torch.Tensor | None, nodes: torch.Tensor | None,
+    ) -> Selection:  # fmt: skip
         if nodes is None:
             return select_rows(logprobs, cum, seg, sampled, alive=alive)
         catalog = self._catalog()
@@ -275,13 +289,9 @@ class BeamJob:
         )
 
     def _copy(
-        self,
-        steps: list[GroupStep],
-        seg: Segments,
-        sel: Selection,
-        source: torch.Tensor,
-        member: torch.Tensor,
-    ) -> None:
+        self, steps: list[GroupStep], seg: Segments, sel: Selection,
+        source: torch.Tensor, member: torch.Tensor,
+    ) -> None:  # fmt: skip
         """Copies each moved beam's parent's private blocks into the member
         that now carries it, every group's in one call (the others copy
         onto themselves, or, on CPU, are left out); a root copies nothing."""
@@ -301,14 +311,9 @@ class BeamJob:
         self._copy_blocks(src, dst)
 
     def _advance(
-        self,
-        steps: list[GroupStep],
-        states: list[GroupState],
-        seg: Segments,
-        sel: Selection,
-        member: torch.Tensor,
-        nodes: torch.Tensor | None,
-    ) -> None:
+        self, steps: list[GroupStep], states: list[GroupState], seg: Segments,
+        sel: Selection, member: torch.Tensor, nodes: torch.Tensor | None,
+    ) -> None:  # fmt: skip
         """Each group's next state (a root's next step starts afresh)."""
         if all(step.kind == "root" for step in steps):
             return

@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from vllm_kvreuse.beam.plan import GroupStep, put_results, steps_of
 from vllm_kvreuse.beam.worker.job import BeamJob, BlockCopier
 from vllm_kvreuse.device.block_copy import copy_blocks_indexed
@@ -137,6 +139,12 @@ def wrap_v1_sampler_forward(original: Callable[..., Any]) -> Callable[..., Any]:
                 logprobs_mode_override,
             )  # fmt: skip
         job.prepare(logits)
+        if _draws_unread(job, logits, sampling_metadata, predict_bonus_token):
+            from vllm.v1.outputs import SamplerOutput
+
+            sampled = logits.new_zeros((len(logits), 1), dtype=torch.int32)
+            job.finish(sampled, drawn=False)
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
         out = original(
             self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override
         )
@@ -144,6 +152,24 @@ def wrap_v1_sampler_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return forward
+
+
+def _draws_unread(
+    job: BeamJob, logits: Any, metadata: Any, predict_bonus_token: bool
+) -> bool:
+    """Whether upstream's sampler would draw for nobody: every row is a
+    group member, no row asks for log-probs, and no group reads the draws
+    (:meth:`BeamJob.reads_draws`). Its draws would be overwritten (each
+    beam's token is the step's) or unused (a member without a beam), and
+    on a CPU its pass over the rows (an argmax of ``R x V`` when greedy)
+    costs what the beam step does."""
+    if predict_bonus_token or metadata.max_num_logprobs is not None:
+        return False
+    if metadata.logprob_token_ids:
+        return False
+    if not job.holds_every_row(len(logits)):
+        return False
+    return not job.reads_draws(metadata.all_greedy)
 
 
 # -- V2 ------------------------------------------------------------------------
