@@ -173,3 +173,55 @@ def test_a_step_of_sixteen_groups_runs_the_operations_of_one() -> None:
     """The workers' beam step does not repeat per group: 16 live groups
     cost the tensor operations (launches, on a GPU) of one."""
     assert _step_ops(16) == _step_ops(1)
+
+
+class _RowPasses(TorchDispatchMode):
+    """Counts the operations that pass over most of an ``[R, V]`` tensor,
+    read or written (views left out, and gathers and scatters, which touch
+    a few elements a row), and the bytes of those tensors."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.numel = shape[0] * shape[1] // 2
+        self.names: list[str] = []
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.is_view or name in ("gather", "scatter_", "scatter"):
+            return out
+        outs = out if isinstance(out, tuple) else (out,)
+        whole = [
+            t for t in (*args, *outs)
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel
+        ]  # fmt: skip
+        if whole:
+            self.names.append(name)
+            self.bytes += sum(t.numel() * t.element_size() for t in whole)
+        return out
+
+
+@pytest.mark.parametrize("eos", [-1, EOS])
+def test_the_fixed_step_passes_over_the_rows_four_times(eos: int) -> None:
+    """The fixed-shape step (an accelerator's) passes over the ``[R, V]``
+    log-probs in a top-k, a compare, a select and a second top-k over
+    int32 keys of the ties: 18 bytes an element. EOS adds a copy and its
+    rank (one compare, one count): 32. A packed 64-bit key took 186 and
+    226 (33 and 38 passes)."""
+    groups, width, vocab = 16, 8, 4096
+    rows = groups * width
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    logprobs = logprobs_of(logits.bfloat16().float())
+    seg = Segments.of(
+        [width] * groups, [width] * groups, [eos] * groups,
+        [2 * width] * groups, logits.device,
+    )  # fmt: skip
+    cum = torch.zeros(rows, dtype=torch.float64)
+    with _RowPasses((rows, vocab)) as passes:
+        select_rows(logprobs, cum, seg, fixed=True)
+    kernels = ["topk", "eq", "where", "topk"]
+    if eos >= 0:
+        kernels = ["clone", *kernels, "gt", "sum"]
+    assert passes.names == kernels
+    assert passes.bytes <= (18 if eos < 0 else 32) * rows * vocab

@@ -9,7 +9,7 @@ beams: it never competes for a place); a row that carries no beam
 
 Two ways, one answer (:mod:`.select`): :func:`row_candidates` in fixed
 shapes (no host sync: CUDA under async scheduling), each row's best
-``width`` by a packed ``(logprob, -token)`` key; :func:`threshold_candidates`
+``width``; :func:`threshold_candidates`
 (CPU, where a sync is free and a per-row top-``k`` of a wide vocabulary is
 the cost), everything at or above a score that at least ``width`` of the
 group's candidates reach.
@@ -28,9 +28,6 @@ import torch
 
 from vllm_kvreuse.beam.worker.segments import Segments, group_counts
 
-NO_KEY = torch.iinfo(torch.int64).min
-"""Packed key of a token that is no candidate (sorts below every real one)."""
-
 CHUNK = 64
 """:func:`threshold_candidates`'s bound is found among each run of this many
 tokens' maximum."""
@@ -45,18 +42,6 @@ class Candidates:
     tokens: torch.Tensor
     logprobs: torch.Tensor
     valid: torch.Tensor
-
-
-def packed_keys(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering ``(logprob desc, token asc)`` as plain integers:
-    the float's bits made monotone in the high half, ``~token`` in the low
-    half (-0.0 taken as +0.0, so that equal values tie). Non-finite
-    log-probs get :data:`NO_KEY`."""
-    bits = (logprobs + 0.0).view(torch.int32).long()
-    monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    keys = (monotone << 32) | (0xFFFFFFFF - tokens.long())
-    # A log-prob is finite or -inf (NaN too fails the test): one comparison.
-    return keys.masked_fill_(~(logprobs > float("-inf")), NO_KEY)
 
 
 def without_eos(values: torch.Tensor, seg: Segments, fill: float) -> torch.Tensor:
@@ -74,21 +59,36 @@ def without_eos(values: torch.Tensor, seg: Segments, fill: float) -> torch.Tenso
 def row_candidates(
     logprobs: torch.Tensor, seg: Segments, alive: torch.Tensor
 ) -> Candidates:
-    """Each row's best ``max(width)`` (fixed shapes; a row of a narrower
-    group offers more than it needs: its group's best are among them)."""
+    """Each row's best ``max(width)`` by (log-prob desc, token asc), fixed
+    shapes (a row of a narrower group offers more than it needs: its
+    group's best are among them).
+
+    A float top-``k`` takes them, but for the places tied at its last
+    value, where a kernel may take any of the tied tokens (bfloat16 logits
+    tie often): those go to the lowest tied tokens, a second top-``k`` over
+    int32 keys of the tied positions. Four passes over ``R x V``, each of
+    4 bytes an element (a top-``k``, a compare, a select, a top-``k``)."""
     num_rows, vocab = logprobs.shape
-    tokens = torch.arange(vocab, device=logprobs.device)
-    keys = packed_keys(logprobs, tokens.expand(num_rows, vocab))
-    keys = without_eos(keys, seg, NO_KEY)
-    top, picked = keys.topk(min(max(seg.widths), vocab), dim=1)
-    picked, order = picked.sort(dim=1)  # (beam, token) order for the tie rule
-    top = top.gather(1, order)
-    beams = torch.arange(num_rows, device=logprobs.device)[:, None].expand_as(picked)
-    valid = (top != NO_KEY) & alive[:, None]
+    device = logprobs.device
+    k = min(max(seg.widths), vocab)
+    values = without_eos(logprobs, seg, float("-inf"))
+    top, picked = values.topk(k, dim=1)  # best first
+    last = top[:, -1:]
+    above = (top > last).sum(dim=1, keepdim=True)  # they lead ``picked``
+    reverse = torch.arange(vocab, 0, -1, dtype=torch.int32, device=device)
+    tied = torch.where(values == last, reverse, 0)  # vocab - token; 0: not tied
+    first_tied = vocab - tied.topk(k, dim=1).values.long()  # vocab: no token
+    place = torch.arange(k, device=device)[None, :]
+    from_ties = first_tied.gather(1, (place - above).clamp(min=0))
+    tokens = torch.where(place < above, picked, from_ties).sort(dim=1).values
+    real = tokens < vocab  # a NaN row ties nothing
+    tokens = tokens.clamp(max=vocab - 1)
+    valid = real & (values.gather(1, tokens) > float("-inf")) & alive[:, None]
+    beams = torch.arange(num_rows, device=device)[:, None].expand_as(tokens)
     return Candidates(
         beams.reshape(-1),
-        picked.reshape(-1),
-        logprobs.gather(1, picked).reshape(-1),
+        tokens.reshape(-1),
+        logprobs.gather(1, tokens).reshape(-1),
         valid.reshape(-1),
     )
 

@@ -101,10 +101,9 @@ class Selection:
 
 def logprobs_of(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's raw log-probs (``Sampler.compute_logprobs``): float32
-    ``log_softmax``, into ``out`` if given. A -0.0 compares equal to +0.0
-    and adds to a score as +0.0; only bit keys tell them apart, and
-    :func:`.candidates.packed_keys` makes it +0.0 (not a pass over every
-    row here: on a CPU it costs a tenth of the step)."""
+    ``log_softmax``, into ``out`` if given. A -0.0 log-prob compares equal
+    to +0.0 and adds to a score as +0.0: the step ranks by value, never by
+    bits."""
     return torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
 
 
@@ -117,10 +116,17 @@ def eos_rows(
     eos = seg.row_eos
     ends = eos >= 0
     token = eos.clamp(min=0)
-    lp = logprobs.gather(1, token[:, None]).squeeze(1)
-    above = (logprobs > lp[:, None]).sum(dim=1)
-    lower = torch.arange(logprobs.shape[1], device=logprobs.device) < token[:, None]
-    above += ((logprobs == lp[:, None]) & lower).sum(dim=1)
+    lp = logprobs.gather(1, token[:, None]).squeeze(1)[:, None]
+    ids = {e for e in seg.eos_ids if e >= 0}
+    if len(ids) == 1:  # one model, one EOS: a tie below it is ahead of it
+        (first,) = ids
+        above = (logprobs[:, :first] >= lp).sum(dim=1)
+        above += (logprobs[:, first + 1 :] > lp).sum(dim=1)
+    else:
+        above = (logprobs > lp).sum(dim=1)
+        lower = torch.arange(logprobs.shape[1], device=logprobs.device) < token[:, None]
+        above += ((logprobs == lp) & lower).sum(dim=1)
+    lp = lp.squeeze(1)
     done = above < seg.row_limit
     if sampled is not None:
         done |= sampled.view(-1) == token
