@@ -88,6 +88,22 @@ def test_device_step_is_the_brute_force_rule(seed: int, fixed: bool) -> None:
     assert as_lists(got) == reference_lists(logits, cum, rule, sampled=sampled.numpy())
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "pruned"])
+@pytest.mark.parametrize("vocab", [12, 300])
+def test_eos_on_top_of_every_row_takes_no_place(vocab: int, fixed: bool) -> None:
+    """EOS is each row's best token: it ends every beam, and the next beams
+    are the best of the rest. (The pruned path's bound must not count EOS
+    among a row's best runs: it would leave no candidate above it.)"""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=generator)
+    logits[:, EOS] = 10.0
+    cum = torch.tensor([0.0, -0.5, -1.0, -1.5], dtype=torch.float64)
+    rule = Rule(3, EOS, 6)
+    got = select_plain(logits, cum, rule, fixed=fixed)
+    assert bool(got.eos_done.all()) and int(got.valid.sum()) == 3
+    assert as_lists(got) == reference_lists(logits, cum, rule)
+
+
 def beams_of(cum: torch.Tensor) -> list[Beam]:
     return [
         Beam(BeamSearchSequence(None, [1, 5 + i], [], cum_logprob=c), f"b{i}")

@@ -93,20 +93,53 @@ def row_candidates(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """Rows ``[R, V]`` cut into runs of :data:`CHUNK` tokens: ``values
+    [R, C, CHUNK]`` (a view where ``CHUNK`` divides ``V``, else padded with
+    -inf) and each run's maximum ``maxima [R, C]``, the row's EOS left out
+    where its group has one (EOS never competes for a place)."""
+
+    values: torch.Tensor
+    maxima: torch.Tensor
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, seg: Segments) -> Runs:
+        """One pass over the rows; EOS's run is taken again without it
+        (``R x CHUNK``), not the rows copied to mask it."""
+        values = _runs(logprobs)
+        maxima = values.amax(dim=2)
+        if any(e >= 0 for e in seg.eos_ids):
+            eos = seg.row_eos
+            rows = torch.arange(len(eos), device=logprobs.device)
+            token = eos.clamp(min=0)
+            run = token // CHUNK
+            own = values[rows, run]  # a copy
+            own[rows, token % CHUNK] = float("-inf")
+            maxima[rows, run] = torch.where(
+                eos >= 0, own.amax(dim=1), maxima[rows, run]
+            )
+        return cls(values, maxima)
+
+
 def threshold_candidates(
-    logprobs: torch.Tensor, cum: torch.Tensor, seg: Segments, alive: torch.Tensor
+    logprobs: torch.Tensor,
+    cum: torch.Tensor,
+    seg: Segments,
+    alive: torch.Tensor,
+    runs: Runs | None = None,
 ) -> Candidates:
     """Every candidate scoring at least a bound that at least ``width`` of
     its group's candidates reach (data-dependent shapes; CPU).
 
-    Rows are cut into runs of :data:`CHUNK` tokens. The bound: the group's
-    ``width``-th best score among each row's best few run maxima (distinct
-    candidates); -inf where the group has fewer, and then every finite
-    candidate of the group. Only the runs whose maximum reaches the bound
-    are scanned, so the cost past one pass is the candidates', not
-    ``R x V``."""
-    runs = _runs(without_eos(logprobs, seg, float("-inf")))
-    maxima = runs.amax(dim=2)
+    Rows are cut into runs of :data:`CHUNK` tokens (``runs``, default
+    :meth:`Runs.of` the rows). The bound: the group's ``width``-th best
+    score among each row's best few run maxima (distinct candidates); -inf
+    where the group has fewer, and then every finite candidate of the
+    group. Only the runs whose maximum reaches the bound are scanned, so the
+    cost past one pass is the candidates', not ``R x V``."""
+    runs = Runs.of(logprobs, seg) if runs is None else runs
+    maxima = runs.maxima
     pairs = zip(seg.widths, seg.rows, strict=True)
     few = min(maxima.shape[1], max(max(1, -(-4 * w // r)) for w, r in pairs))
     scores = maxima.topk(few, dim=1).values.double() + cum[:, None]
@@ -114,9 +147,30 @@ def threshold_candidates(
     bound = _group_bounds(seg, scores)[seg.group]
     low = _low(torch.where(alive, bound - cum, float("inf")))  # dead rows: none
     rows, run = _reaching(maxima, low).nonzero(as_tuple=True)
-    hits, offset = _reaching(runs[rows, run], low[rows]).nonzero(as_tuple=True)
+    hits, offset = _reaching(runs.values[rows, run], low[rows]).nonzero(as_tuple=True)
     beams, tokens = rows[hits], run[hits] * CHUNK + offset
+    if any(e >= 0 for e in seg.eos_ids):  # EOS never competes for a place
+        keep = tokens != seg.row_eos[beams]
+        beams, tokens = beams[keep], tokens[keep]
     return _candidates(logprobs, beams, tokens)  # (beam, token) order
+
+
+def eos_in_reach(runs: Runs, eos_logprobs: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Per row, whether its EOS ranks among the row's best ``row_size``
+    (ties to the lower token id; data-dependent shapes, CPU). A run whose
+    maximum is above EOS's log-prob holds a token ahead of it: with
+    ``row_size`` such runs EOS is out; otherwise only the runs reaching it
+    are counted, not the whole row."""
+    at = eos_logprobs[:, None]
+    limit = seg.row_limit
+    sure = (runs.maxima > at).sum(dim=1)
+    open_ = sure < limit
+    rows, run = ((runs.maxima >= at) & open_[:, None]).nonzero(as_tuple=True)
+    values, at = runs.values[rows, run], at[rows]
+    tokens = (run * CHUNK)[:, None] + torch.arange(CHUNK, device=run.device)
+    ahead = (values > at) | ((values == at) & (tokens < seg.row_eos[rows][:, None]))
+    counts = torch.zeros_like(sure).index_add_(0, rows, ahead.sum(dim=1))
+    return open_ & (counts < limit)
 
 
 def _runs(values: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvreuse.beam.worker.candidates import (
+    Runs,
+    eos_in_reach,
     row_candidates,
     threshold_candidates,
 )
@@ -108,30 +110,41 @@ def logprobs_of(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 def eos_rows(
-    logprobs: torch.Tensor, seg: Segments, sampled: torch.Tensor | None
+    logprobs: torch.Tensor,
+    seg: Segments,
+    sampled: torch.Tensor | None,
+    runs: Runs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, whether EOS ends the beam, and EOS's log-prob (0 where the
     group has no EOS): it is finite and ranks in the row's best
-    ``row_size`` (ties to the lower token id), or the sampler drew it."""
+    ``row_size`` (ties to the lower token id), or the sampler drew it.
+    With ``runs`` (the pruned path) only the runs reaching EOS are counted
+    (:func:`.candidates.eos_in_reach`); else the whole rows."""
     eos = seg.row_eos
     ends = eos >= 0
     token = eos.clamp(min=0)
-    lp = logprobs.gather(1, token[:, None]).squeeze(1)[:, None]
-    ids = {e for e in seg.eos_ids if e >= 0}
-    if len(ids) == 1:  # one model, one EOS: a tie below it is ahead of it
-        (first,) = ids
-        above = (logprobs[:, :first] >= lp).sum(dim=1)
-        above += (logprobs[:, first + 1 :] > lp).sum(dim=1)
+    lp = logprobs.gather(1, token[:, None]).squeeze(1)
+    if runs is not None:
+        done = eos_in_reach(runs, lp, seg)
     else:
-        above = (logprobs > lp).sum(dim=1)
-        lower = torch.arange(logprobs.shape[1], device=logprobs.device) < token[:, None]
-        above += ((logprobs == lp) & lower).sum(dim=1)
-    lp = lp.squeeze(1)
-    done = above < seg.row_limit
+        done = _eos_ranks(logprobs, lp, seg) < seg.row_limit
     if sampled is not None:
         done |= sampled.view(-1) == token
     done &= ends & torch.isfinite(lp)
     return done, torch.where(ends, lp, 0.0)
+
+
+def _eos_ranks(logprobs: torch.Tensor, lp: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Per row, how many tokens rank ahead of its EOS (fixed shapes)."""
+    at = lp[:, None]
+    ids = {e for e in seg.eos_ids if e >= 0}
+    if len(ids) == 1:  # one model, one EOS: a tie below it is ahead of it
+        (first,) = ids
+        ahead = (logprobs[:, :first] >= at).sum(dim=1)
+        return ahead + (logprobs[:, first + 1 :] > at).sum(dim=1)
+    token = seg.row_eos.clamp(min=0)
+    lower = torch.arange(logprobs.shape[1], device=logprobs.device) < token[:, None]
+    return (logprobs > at).sum(dim=1) + ((logprobs == at) & lower).sum(dim=1)
 
 
 def select_rows(
@@ -151,16 +164,17 @@ def select_rows(
     alive = _all_alive(cum) if alive is None else alive
     if fixed is None:
         fixed = logprobs.device.type != "cpu"
-    if fixed:
+    runs = None if fixed else Runs.of(logprobs, seg)
+    if runs is None:
         cands = row_candidates(logprobs, seg, alive)
     else:
-        cands = threshold_candidates(logprobs, cum, seg, alive)
+        cands = threshold_candidates(logprobs, cum, seg, alive, runs)
     parents, tokens, scores, valid = best_per_group(
         seg, cands.beams, cands.tokens, cands.logprobs, cands.valid, cum
     )
     none = torch.zeros(len(cum), dtype=torch.bool, device=logprobs.device)
     if any(e >= 0 for e in seg.eos_ids):
-        eos_done, eos_lp = eos_rows(logprobs, seg, sampled)
+        eos_done, eos_lp = eos_rows(logprobs, seg, sampled, runs)
         eos_done &= alive
         ends = seg.row_eos >= 0
         eos_scores = torch.where(ends, cum + eos_lp.double(), 0.0)
