@@ -104,6 +104,22 @@ def test_eos_on_top_of_every_row_takes_no_place(vocab: int, fixed: bool) -> None
     assert as_lists(got) == reference_lists(logits, cum, rule)
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "pruned"])
+def test_a_tie_with_eos_ranks_by_token_in_a_wide_row(fixed: bool) -> None:
+    """Three tokens above EOS and one tied with it: a tie below EOS's id
+    ranks ahead of it (EOS falls out of a row of 4), one above does not
+    (the pruned path counts only the runs that reach EOS here)."""
+    logits = torch.full((2, 1024), -5.0)
+    logits[:, [500, 600, 700]] = 5.0
+    logits[:, EOS] = 3.0
+    logits[0, 1] = logits[1, 5] = 3.0
+    cum = torch.zeros(2, dtype=torch.float64)
+    rule = Rule(2, EOS, 4)
+    got = select_plain(logits, cum, rule, fixed=fixed)
+    assert got.eos_done.tolist() == [False, True]
+    assert as_lists(got) == reference_lists(logits, cum, rule)
+
+
 def beams_of(cum: torch.Tensor) -> list[Beam]:
     return [
         Beam(BeamSearchSequence(None, [1, 5 + i], [], cum_logprob=c), f"b{i}")

@@ -155,17 +155,23 @@ def threshold_candidates(
     return _candidates(logprobs, beams, tokens)  # (beam, token) order
 
 
-def eos_in_reach(runs: Runs, eos_logprobs: torch.Tensor, seg: Segments) -> torch.Tensor:
+def eos_in_reach(
+    runs: Runs, eos_logprobs: torch.Tensor, seg: Segments
+) -> torch.Tensor | None:
     """Per row, whether its EOS ranks among the row's best ``row_size``
     (ties to the lower token id; data-dependent shapes, CPU). A run whose
     maximum is above EOS's log-prob holds a token ahead of it: with
     ``row_size`` such runs EOS is out; otherwise only the runs reaching it
-    are counted, not the whole row."""
+    are counted, not the whole row. None where most runs reach it (a
+    ``row_size`` near the vocabulary's): counting whole rows costs less."""
     at = eos_logprobs[:, None]
     limit = seg.row_limit
     sure = (runs.maxima > at).sum(dim=1)
     open_ = sure < limit
-    rows, run = ((runs.maxima >= at) & open_[:, None]).nonzero(as_tuple=True)
+    reach = (runs.maxima >= at) & open_[:, None]
+    rows, run = reach.nonzero(as_tuple=True)
+    if 2 * len(rows) > reach.numel():
+        return None
     values, at = runs.values[rows, run], at[rows]
     tokens = (run * CHUNK)[:, None] + torch.arange(CHUNK, device=run.device)
     ahead = (values > at) | ((values == at) & (tokens < seg.row_eos[rows][:, None]))

@@ -124,9 +124,8 @@ def eos_rows(
     ends = eos >= 0
     token = eos.clamp(min=0)
     lp = logprobs.gather(1, token[:, None]).squeeze(1)
-    if runs is not None:
-        done = eos_in_reach(runs, lp, seg)
-    else:
+    done = None if runs is None else eos_in_reach(runs, lp, seg)
+    if done is None:
         done = _eos_ranks(logprobs, lp, seg) < seg.row_limit
     if sampled is not None:
         done |= sampled.view(-1) == token
@@ -140,11 +139,12 @@ def _eos_ranks(logprobs: torch.Tensor, lp: torch.Tensor, seg: Segments) -> torch
     ids = {e for e in seg.eos_ids if e >= 0}
     if len(ids) == 1:  # one model, one EOS: a tie below it is ahead of it
         (first,) = ids
-        ahead = (logprobs[:, :first] >= at).sum(dim=1)
-        return ahead + (logprobs[:, first + 1 :] > at).sum(dim=1)
+        ahead = (logprobs[:, :first] >= at).sum(dim=1, dtype=torch.int32)
+        return ahead + (logprobs[:, first + 1 :] > at).sum(dim=1, dtype=torch.int32)
     token = seg.row_eos.clamp(min=0)
     lower = torch.arange(logprobs.shape[1], device=logprobs.device) < token[:, None]
-    return (logprobs > at).sum(dim=1) + ((logprobs == at) & lower).sum(dim=1)
+    ahead = (logprobs > at).sum(dim=1, dtype=torch.int32)
+    return ahead + ((logprobs == at) & lower).sum(dim=1, dtype=torch.int32)
 
 
 def select_rows(
