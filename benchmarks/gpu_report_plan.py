@@ -57,7 +57,7 @@ class Sizes:
     beam_args: dict
     two_stage_args: dict
     micro_argv: list[str]
-    beam_steps: dict[str, str]  # overhead / profile: their scripts' arguments
+    beam_steps: dict[str, str]  # overhead / profile / select: their scripts' arguments
 
 
 GPU_SIZES = Sizes(
@@ -100,6 +100,7 @@ GPU_SIZES = Sizes(
             "--model models/small --dtype bfloat16 --top 0 --widths 50 --searches 16 "
             "--repeats 2 --ignore-eos --step-times --prompt-tokens 2500"
         ),
+        select="--device cuda --groups 16 --width 50 --vocab 32768",
     ),
 )
 DRY_SIZES = Sizes(
@@ -129,6 +130,7 @@ DRY_SIZES = Sizes(
             "--top 0 --widths 4 --searches 2 --repeats 1 --ignore-eos --step-times "
             "--prompt-tokens 64"
         ),
+        select="--device cpu --groups 2 --width 4 --vocab 4096 --repeats 2",
     ),
 )
 

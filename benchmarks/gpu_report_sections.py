@@ -261,12 +261,15 @@ def beam_steps(config: Config) -> dict:
     """Where a beam step's time goes, in-process engines on the idle device:
     16 groups' step against their 800 members decoding (host parts, each
     waiting for the device), then every engine step of 16 searches on the
-    report's prompts (steps a search takes, and what each costs)."""
+    report's prompts (steps a search takes, and what each costs), then the
+    workers' selection of that step alone on the device (its time and the
+    bytes it moves over the rows)."""
     here = Path(__file__).parent
     result: dict[str, float] = {}
     for script, line in (
         ("beam_step_overhead.py", config["overhead"]),
         ("beam_width_profile.py", config["profile"]),
+        ("beam_select_micro.py", config["select"]),
     ):
         argv = line.split()
         done = subprocess.run(
@@ -281,6 +284,8 @@ def beam_steps(config: Config) -> dict:
         if m := re.search(r"engine steps of one search, ms: ([0-9, ]+)", done.stdout):
             times = m.group(1).strip(" ,")
             result["steps_per_search"] = len(times.split(","))
+        if m := re.search(r"^fixed\s+([0-9.]+)", done.stdout, re.MULTILINE):
+            result["select_fixed_ms"] = float(m.group(1))
     ratio = result.get("host_beams_over_decode")
     steps = result.get("steps_per_search")
     print("| figure | value |\n|---|---:|")
@@ -289,6 +294,11 @@ def beam_steps(config: Config) -> dict:
         f"{'not measured' if ratio is None else f'{ratio}x'} |"
     )
     print(f"| engine steps of one search | {steps or 'not measured'} |")
+    select = result.get("select_fixed_ms")
+    print(
+        "| the step's selection alone, fixed shapes | "
+        f"{'not measured' if select is None else f'{select} ms'} |"
+    )
     return result
 
 

@@ -64,6 +64,7 @@ def test_every_section_of_the_report_produces_its_table(
     assert results["Two-stage (OpenOneRec)"]["d_over_stage1"] > 0
     steps = results["Beam steps: where a step's time goes"]
     assert steps["host_beams_over_decode"] > 0 and steps["steps_per_search"] >= 2
+    assert steps["select_fixed_ms"] > 0
     files = [p for p in tmp_path.iterdir()]
     assert len(files) <= 8 and all(p.is_file() for p in files), files
 
