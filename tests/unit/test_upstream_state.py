@@ -79,9 +79,13 @@ def test_each_attribute_exists_on_the_installed_vllm(
     )
 
 
-OWN_NAMES = {"finish", "prepare", "results", "get", "pop", "setdefault", "num_blocks"}
-"""Names ``runner_hooks`` reads off its own objects (the beam job, dicts) or
-off public config (``KVCacheConfig.num_blocks``)."""
+OWN_NAMES = {
+    "finish", "prepare", "results", "holds_every_row", "reads_draws",
+    "get", "pop", "setdefault", "num_blocks", "int32", "new_zeros",
+}  # fmt: skip
+"""Names ``runner_hooks`` reads off its own objects (the beam job, dicts),
+off torch (a dtype, a tensor method) or off public config
+(``KVCacheConfig.num_blocks``)."""
 
 
 def test_runner_hooks_read_only_registered_runner_state() -> None:

@@ -59,6 +59,18 @@ RUNNER_STATE: tuple[RunnerState, ...] = (
         "async scheduling: the output the results ride on",
     ),
     _v1("vllm.v1.outputs:SamplerOutput.sampled_token_ids", "carriers' tokens set"),
+    _v1(
+        "vllm.v1.sample.metadata:SamplingMetadata.all_greedy",
+        "a beam-only step skips the sampler: a greedy draw is read by nobody",
+    ),
+    _v1(
+        "vllm.v1.sample.metadata:SamplingMetadata.max_num_logprobs",
+        "(no skip when a row asks for log-probs)",
+    ),
+    _v1(
+        "vllm.v1.sample.metadata:SamplingMetadata.logprob_token_ids",
+        "(nor for a row's chosen tokens' log-probs)",
+    ),
     _v2(f"{_V2}.model_runner:GPUModelRunner.sampler", "as V1's"),
     _v2(f"{_V2}.model_runner:GPUModelRunner.vllm_config", "as V1's"),
     _v2(f"{_V2}.model_runner:GPUModelRunner.device", "as V1's"),
