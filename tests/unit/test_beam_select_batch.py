@@ -93,6 +93,45 @@ def test_a_batch_selects_what_each_group_selects_alone(seed: int, fixed: bool) -
         assert members[out].tolist() == want.tolist()
 
 
+def _held(groups: list[tuple], seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups' log-prob rows in member order (each group's beam ``b``
+    held by its member ``carried_by[b]``), and ``order``: the row holding
+    each beam."""
+    order = torch.cat([g[5] for g in groups]) + seg.row_first
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(len(order))
+    return logprobs_of(cat(groups, 0))[rows], order
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "pruned"])
+@pytest.mark.parametrize("seed", range(20))
+def test_rows_in_member_order_select_what_beam_order_selects(
+    seed: int, fixed: bool
+) -> None:
+    """The workers hand over rows as their members hold them (no copy into
+    beam order): with ``order`` naming the row of each beam, every result
+    is the one of rows in beam order, catalog groups too."""
+    rng = np.random.default_rng(300 + seed)
+    catalog = random_catalog(rng, dense=bool(seed % 2))
+    groups = random_groups(rng, int(rng.choice([12, 40, 128, 300])))
+    seg = segments_of(groups)
+    held, order = _held(groups, seg)
+    plain = [cat(groups, 1), seg, cat(groups, 4), fixed, cat(groups, 3)]
+    want = select_rows(logprobs_of(cat(groups, 0)), *plain)
+    got = select_rows(held, *plain, order=order)
+    whole = (slice(None), slice(None))
+    assert part(got, *whole) == part(want, *whole)
+    groups = random_groups(rng, catalog.vocab_size)
+    seg = segments_of(groups)
+    held, order = _held(groups, seg)
+    nodes = torch.from_numpy(rng.integers(0, catalog.num_nodes, size=len(order)))
+    children, _ = catalog.legal(nodes)
+    extra = [cat(groups, 1), seg, children, catalog.is_leaf(nodes), cat(groups, 3)]
+    want = select_catalog_rows(logprobs_of(cat(groups, 0)), *extra)
+    got = select_catalog_rows(held, *extra, order=order)
+    assert part(got, *whole) == part(want, *whole)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_batch_of_catalog_groups_selects_what_each_selects_alone(seed: int) -> None:
     rng = np.random.default_rng(700 + seed)
@@ -167,6 +206,52 @@ def _step_ops(num_groups: int, width: int = 8, vocab: int = 64) -> int:
         job.finish(sampled.clone())
     assert copied == [1] and len(job.results) == num_groups
     return ops.count
+
+
+def _job_steps(row_of: dict[str, int], num_rows: int, seed: int) -> list:
+    """Two steps (start, then live) of three groups of width 6 through a
+    worker's :class:`BeamJob`, members at ``row_of``'s rows of a batch of
+    ``num_rows``: each step's packed results and the tokens it wrote."""
+    width, vocab = 6, 300
+    rng = np.random.default_rng(seed)
+    states: dict = {}
+    out = []
+    for kind in ("start", "step"):
+        steps = [
+            GroupStep(
+                f"g{g}", kind, [f"g{g}-m{i}" for i in range(width)], width=width,
+                eos=EOS, row_size=2 * width,
+                **({"carriers": list(range(width)), "cum_logprobs": [0.0] * width}
+                   if kind == "start" else {}),
+            )
+            for g in range(3)
+        ]  # fmt: skip
+        by_member = torch.from_numpy(
+            rng.integers(0, 6, size=(len(row_of), vocab)) / 4.0
+        )
+        logits = torch.zeros(num_rows, vocab)
+        for i, member in enumerate(sorted(row_of)):
+            logits[row_of[member]] = by_member[i].float()
+        sampled = torch.zeros(num_rows, 1, dtype=torch.long)
+        job = BeamJob(steps, states, lambda: None, row_of)
+        job.prepare(logits)
+        job.finish(sampled)
+        tokens = [int(sampled[row_of[m]]) for m in sorted(row_of)]
+        results = {
+            g: (r.next.tolist(), r.beams.tolist()) for g, r in job.results.items()
+        }
+        out.append((results, tokens))
+    return out
+
+
+def test_members_anywhere_in_the_batch_step_as_members_in_a_row() -> None:
+    """Members whose rows lie together are read in place (no copy); members
+    spread among other rows are gathered. Both steps give the same beams."""
+    members = [f"g{g}-m{i}" for g in range(3) for i in range(6)]
+    together = {m: i for i, m in enumerate(members)}
+    spread = {m: 3 * i + 1 for i, m in enumerate(reversed(members))}
+    for seed in range(5):
+        assert _job_steps(together, 18, seed) == _job_steps(spread, 60, seed)
 
 
 def test_a_step_of_sixteen_groups_runs_the_operations_of_one() -> None:

@@ -57,7 +57,10 @@ def without_eos(values: torch.Tensor, seg: Segments, fill: float) -> torch.Tenso
 
 
 def row_candidates(
-    logprobs: torch.Tensor, seg: Segments, alive: torch.Tensor
+    logprobs: torch.Tensor,
+    seg: Segments,
+    alive: torch.Tensor,
+    order: torch.Tensor | None = None,
 ) -> Candidates:
     """Each row's best ``max(width)`` by (log-prob desc, token asc), fixed
     shapes (a row of a narrower group offers more than it needs: its
@@ -67,7 +70,9 @@ def row_candidates(
     value, where a kernel may take any of the tied tokens (bfloat16 logits
     tie often): those go to the lowest tied tokens, a second top-``k`` over
     int32 keys of the tied positions. Four passes over ``R x V``, each of
-    4 bytes an element (a top-``k``, a compare, a select, a top-``k``)."""
+    4 bytes an element (a top-``k``, a compare, a select, a top-``k``).
+    ``order``: the row holding each beam (:func:`.select.select_rows`);
+    the picks are put in beam order, ``R x k``."""
     num_rows, vocab = logprobs.shape
     device = logprobs.device
     k = min(max(seg.widths), vocab)
@@ -83,12 +88,16 @@ def row_candidates(
     tokens = torch.where(place < above, picked, from_ties).sort(dim=1).values
     real = tokens < vocab  # a NaN row ties nothing
     tokens = tokens.clamp(max=vocab - 1)
-    valid = real & (values.gather(1, tokens) > float("-inf")) & alive[:, None]
+    valid = real & (values.gather(1, tokens) > float("-inf"))
+    lps = logprobs.gather(1, tokens)
+    if order is not None:
+        tokens, valid, lps = tokens[order], valid[order], lps[order]
+    valid &= alive[:, None]
     beams = torch.arange(num_rows, device=device)[:, None].expand_as(tokens)
     return Candidates(
         beams.reshape(-1),
         tokens.reshape(-1),
-        logprobs.gather(1, tokens).reshape(-1),
+        lps.reshape(-1),
         valid.reshape(-1),
     )
 
@@ -128,6 +137,7 @@ def threshold_candidates(
     seg: Segments,
     alive: torch.Tensor,
     runs: Runs | None = None,
+    order: torch.Tensor | None = None,
 ) -> Candidates:
     """Every candidate scoring at least a bound that at least ``width`` of
     its group's candidates reach (data-dependent shapes; CPU).
@@ -137,9 +147,10 @@ def threshold_candidates(
     score among each row's best few run maxima (distinct candidates); -inf
     where the group has fewer, and then every finite candidate of the
     group. Only the runs whose maximum reaches the bound are scanned, so the
-    cost past one pass is the candidates', not ``R x V``."""
+    cost past one pass is the candidates', not ``R x V``. ``order``: the
+    row holding each beam (:func:`.select.select_rows`)."""
     runs = Runs.of(logprobs, seg) if runs is None else runs
-    maxima = runs.maxima
+    maxima = runs.maxima if order is None else runs.maxima[order]
     pairs = zip(seg.widths, seg.rows, strict=True)
     few = min(maxima.shape[1], max(max(1, -(-4 * w // r)) for w, r in pairs))
     scores = maxima.topk(few, dim=1).values.double() + cum[:, None]
@@ -147,12 +158,15 @@ def threshold_candidates(
     bound = _group_bounds(seg, scores)[seg.group]
     low = _low(torch.where(alive, bound - cum, float("inf")))  # dead rows: none
     rows, run = _reaching(maxima, low).nonzero(as_tuple=True)
-    hits, offset = _reaching(runs.values[rows, run], low[rows]).nonzero(as_tuple=True)
+    held = rows if order is None else order[rows]
+    hits, offset = _reaching(runs.values[held, run], low[rows]).nonzero(as_tuple=True)
     beams, tokens = rows[hits], run[hits] * CHUNK + offset
     if any(e >= 0 for e in seg.eos_ids):  # EOS never competes for a place
         keep = tokens != seg.row_eos[beams]
         beams, tokens = beams[keep], tokens[keep]
-    return _candidates(logprobs, beams, tokens)  # (beam, token) order
+    held = beams if order is None else order[beams]
+    valid = torch.ones(len(beams), dtype=torch.bool, device=logprobs.device)
+    return Candidates(beams, tokens, logprobs[held, tokens], valid)  # (beam, token)
 
 
 def eos_in_reach(
@@ -216,10 +230,3 @@ def _group_bounds(seg: Segments, scores: torch.Tensor) -> torch.Tensor:
     bound = flat[order[kth]]
     enough = group_counts(seg, groups, torch.isfinite(flat)) >= seg.width
     return torch.where(enough, bound, float("-inf"))
-
-
-def _candidates(
-    logprobs: torch.Tensor, beams: torch.Tensor, tokens: torch.Tensor
-) -> Candidates:
-    valid = torch.ones(len(beams), dtype=torch.bool, device=logprobs.device)
-    return Candidates(beams, tokens, logprobs[beams, tokens], valid)

@@ -96,7 +96,8 @@ class _Batch:
     """Groups of one kind selected together, as :meth:`BeamJob.prepare`
     found them: ``rows [R]`` their members' logits rows, group after group;
     ``beam_rows [R]`` each beam slot's member (an index into ``rows``);
-    ``logprobs [R, V]`` the beams' raw log-probs, in beam order."""
+    ``logprobs [R, V]`` the members' raw log-probs, in member order (beam
+    ``b``'s in row ``beam_rows[b]``)."""
 
     steps: list[GroupStep]
     states: list[GroupState]
@@ -181,8 +182,12 @@ class BeamJob:
         beam_rows = seg.row_first + carried_by
         kind = "catalog" if steps[0].catalog else "plain"
         shape = (len(ids), logits.shape[1])
-        taken = self._buffer(f"{kind}-logits", shape, logits.dtype, device)
-        taken = torch.index_select(logits, 0, rows[beam_rows], out=taken)
+        first = ids[0]
+        if ids == list(range(first, first + len(ids))):  # no copy: a view
+            taken = logits[first : first + len(ids)]
+        else:
+            taken = self._buffer(f"{kind}-logits", shape, logits.dtype, device)
+            taken = torch.index_select(logits, 0, rows, out=taken)
         logprobs = self._buffer(f"{kind}-logprobs", shape, torch.float32, device)
         return _Batch(
             steps, states, seg, rows, carried_by, torch.cat([s.alive for s in states]),
@@ -243,10 +248,10 @@ class BeamJob:
         nodes = None
         if steps[0].catalog:
             nodes = torch.cat([s.nodes for s in states if s.nodes is not None])
-        sel = self._select(
-            seg, batch.logprobs, torch.cat([s.cum for s in states]), batch.alive,
-            sampled[batch.beam_rows] if drawn else None, nodes,
-        )  # fmt: skip
+        cum, drawn_beams = torch.cat([s.cum for s in states]), None
+        if drawn:
+            drawn_beams = sampled[batch.beam_rows]
+        sel = self._select(batch, cum, drawn_beams, nodes)
         member = members_per_group(
             seg, batch.carried_by, batch.alive, sel.parents, sel.valid
         )
@@ -273,19 +278,19 @@ class BeamJob:
         return self.states[step.group_id]
 
     def _select(
-        self, seg: Segments, logprobs: torch.Tensor, cum: torch.Tensor,
-        alive: torch.Tensor, sampled: torch.Tensor | None, nodes: torch.Tensor | None,
+        self, batch: _Batch, cum: torch.Tensor, sampled: torch.Tensor | None,
+        nodes: torch.Tensor | None,
     ) -> Selection:  # fmt: skip
+        seg, logprobs, alive = batch.seg, batch.logprobs, batch.alive
+        order = batch.beam_rows  # logprobs are in member order
         if nodes is None:
-            return select_rows(logprobs, cum, seg, sampled, alive=alive)
+            return select_rows(logprobs, cum, seg, sampled, alive=alive, order=order)
         catalog = self._catalog()
         assert catalog is not None, "catalog group"
-        at = nodes.to(catalog.device)
-        children, _ = catalog.legal(at)
-        at_leaf = catalog.is_leaf(at)
-        device = logprobs.device
+        at, device = nodes.to(catalog.device), logprobs.device
+        children, at_leaf = catalog.legal(at)[0].to(device), catalog.is_leaf(at)
         return select_catalog_rows(
-            logprobs, cum, seg, children.to(device), at_leaf.to(device), alive=alive
+            logprobs, cum, seg, children, at_leaf.to(device), alive, order
         )
 
     def _copy(

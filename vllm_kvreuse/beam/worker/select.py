@@ -114,19 +114,22 @@ def eos_rows(
     seg: Segments,
     sampled: torch.Tensor | None,
     runs: Runs | None = None,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, whether EOS ends the beam, and EOS's log-prob (0 where the
+    """Per beam, whether EOS ends it, and EOS's log-prob (0 where the
     group has no EOS): it is finite and ranks in the row's best
     ``row_size`` (ties to the lower token id), or the sampler drew it.
     With ``runs`` (the pruned path) only the runs reaching EOS are counted
-    (:func:`.candidates.eos_in_reach`); else the whole rows."""
+    (:func:`.candidates.eos_in_reach`); else the whole rows. ``order``: as
+    for :func:`select_rows` (``sampled`` in beam order)."""
     eos = seg.row_eos
     ends = eos >= 0
-    token = eos.clamp(min=0)
+    token = eos.clamp(min=0)  # a row's EOS is its group's, in either order
     lp = logprobs.gather(1, token[:, None]).squeeze(1)
     done = None if runs is None else eos_in_reach(runs, lp, seg)
     if done is None:
         done = _eos_ranks(logprobs, lp, seg) < seg.row_limit
+    lp, done = in_beam_order(lp, order), in_beam_order(done, order)
     if sampled is not None:
         done |= sampled.view(-1) == token
     done &= ends & torch.isfinite(lp)
@@ -147,6 +150,11 @@ def _eos_ranks(logprobs: torch.Tensor, lp: torch.Tensor, seg: Segments) -> torch
     return ahead + ((logprobs == at) & lower).sum(dim=1, dtype=torch.int32)
 
 
+def in_beam_order(values: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """``values`` of the rows (first dimension), in beam order."""
+    return values if order is None else values[order]
+
+
 def select_rows(
     logprobs: torch.Tensor,
     cum: torch.Tensor,
@@ -154,27 +162,31 @@ def select_rows(
     sampled: torch.Tensor | None = None,
     fixed: bool | None = None,
     alive: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> Selection:
     """A step of every group of ``seg`` over whole vocabulary rows
     ``logprobs [R, V]`` (:func:`logprobs_of` the raw logits, a tensor it
-    may write; ``cum [R]`` float64): next beams ``[sum(width)]``, per-row
+    may write; ``cum [R]`` float64): next beams ``[sum(width)]``, per-beam
     results ``[R]``. ``fixed``: fixed shapes (default: on every device but
-    CPU). ``alive [R]``: rows that carry a beam (default all); the others
-    offer nothing and never end."""
+    CPU). ``alive [R]``: beams that exist (default all); the others offer
+    nothing and never end. ``order [R]``: the row of ``logprobs`` holding
+    each beam, within the beam's group (default: row ``b`` holds beam
+    ``b``), so that rows in the workers' member order need no copy; every
+    other tensor is in beam order."""
     alive = _all_alive(cum) if alive is None else alive
     if fixed is None:
         fixed = logprobs.device.type != "cpu"
     runs = None if fixed else Runs.of(logprobs, seg)
     if runs is None:
-        cands = row_candidates(logprobs, seg, alive)
+        cands = row_candidates(logprobs, seg, alive, order)
     else:
-        cands = threshold_candidates(logprobs, cum, seg, alive, runs)
+        cands = threshold_candidates(logprobs, cum, seg, alive, runs, order)
     parents, tokens, scores, valid = best_per_group(
         seg, cands.beams, cands.tokens, cands.logprobs, cands.valid, cum
     )
     none = torch.zeros(len(cum), dtype=torch.bool, device=logprobs.device)
     if any(e >= 0 for e in seg.eos_ids):
-        eos_done, eos_lp = eos_rows(logprobs, seg, sampled, runs)
+        eos_done, eos_lp = eos_rows(logprobs, seg, sampled, runs, order)
         eos_done &= alive
         ends = seg.row_eos >= 0
         eos_scores = torch.where(ends, cum + eos_lp.double(), 0.0)
@@ -190,9 +202,10 @@ def select_catalog_rows(
     children: torch.Tensor,
     at_leaf: torch.Tensor,
     alive: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> Selection:
-    """A step of every catalog group of ``seg`` (``logprobs`` as for
-    :func:`select_rows`): ``children [R, M]`` each
+    """A step of every catalog group of ``seg`` (``logprobs`` and
+    ``order`` as for :func:`select_rows`): ``children [R, M]`` each
     beam's legal next tokens (-1: none; :meth:`SidCatalog.legal`),
     ``at_leaf [R]``.
 
@@ -202,8 +215,9 @@ def select_catalog_rows(
     alive = _all_alive(cum) if alive is None else alive
     at_leaf = at_leaf & alive
     legal = (children >= 0) & alive[:, None]
-    lp = logprobs.gather(1, children.clamp(min=0)).masked_fill_(~legal, float("-inf"))
     beams = torch.arange(num_rows, device=logprobs.device)[:, None]
+    rows = beams if order is None else order[:, None]
+    lp = logprobs[rows, children.clamp(min=0)].masked_fill_(~legal, float("-inf"))
     beams = beams.expand_as(children)
     parents, tokens, scores, valid = best_per_group(
         seg, beams.reshape(-1), children.reshape(-1), lp.reshape(-1),
@@ -211,7 +225,7 @@ def select_catalog_rows(
     )  # fmt: skip
     eos = seg.row_eos
     ends = eos >= 0
-    eos_lp = logprobs.gather(1, eos.clamp(min=0)[:, None]).squeeze(1)
+    eos_lp = logprobs[rows.squeeze(1), eos.clamp(min=0)]
     eos_lp = torch.where(ends, eos_lp, 0.0)
     eos_done = at_leaf & ends & torch.isfinite(eos_lp)
     leaf_done = at_leaf & ~eos_done
