@@ -162,14 +162,12 @@ class BeamJob:
         self, steps: list[GroupStep], logits: torch.Tensor, row_of: Mapping[str, int]
     ) -> _Batch:
         ids = [row_of.get(m, -1) for step in steps for m in step.member_ids]
-        if -1 in ids:
-            for step in steps:
-                missing = [m for m in step.member_ids if m not in row_of]
-                if missing:
-                    raise BeamStepError(
-                        f"beam group {step.group_id}: members {missing[:4]} are "
-                        "not in this batch"
-                    )
+        for step in steps if -1 in ids else ():
+            if missing := [m for m in step.member_ids if m not in row_of]:
+                raise BeamStepError(
+                    f"beam group {step.group_id}: members {missing[:4]} are "
+                    "not in this batch"
+                )
         device = logits.device
         states = [self._state_of(step, device) for step in steps]
         seg = Segments.of(
