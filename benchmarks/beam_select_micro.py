@@ -23,34 +23,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_kvreuse.beam.worker.segments import Segments
 from vllm_kvreuse.beam.worker.select import logprobs_of, select_rows
-
-
-class _RowBytes(TorchDispatchMode):
-    """Bytes of the ``[R, V]``-sized tensors each operation reads or writes."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel = numel // 2
-        self.bytes = 0
-        self.passes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        if func.is_view or name in ("gather", "scatter", "scatter_"):
-            return out
-        outs = out if isinstance(out, tuple) else (out,)
-        big = [
-            t for t in (*args, *outs)
-            if isinstance(t, torch.Tensor) and t.numel() >= self.numel
-        ]  # fmt: skip
-        self.passes += bool(big)
-        self.bytes += sum(t.numel() * t.element_size() for t in big)
-        return out
+from vllm_kvreuse.testing.row_passes import RowPasses
 
 
 def _median_ms(step: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -99,11 +75,11 @@ def main() -> None:
             return select_rows(logprobs, cum, seg, fixed=fixed)
 
         ms = _median_ms(step, device, args.repeats)
-        with _RowBytes(rows * args.vocab) as counted:
+        with RowPasses((rows, args.vocab)) as counted:
             step()
         per = counted.bytes / (rows * args.vocab)
         print(
-            f"{name:<8}{ms:>10.2f}{counted.passes:>8}"
+            f"{name:<8}{ms:>10.2f}{len(counted.names):>8}"
             f"{counted.bytes / 1e9:>8.2f}{per:>15.0f}"
         )
 

@@ -25,6 +25,7 @@ from vllm_kvreuse.beam.worker.select import (
     select_plain,
     select_rows,
 )
+from vllm_kvreuse.testing.row_passes import RowPasses
 
 EOS = 2
 
@@ -260,33 +261,6 @@ def test_a_step_of_sixteen_groups_runs_the_operations_of_one() -> None:
     assert _step_ops(16) == _step_ops(1)
 
 
-class _RowPasses(TorchDispatchMode):
-    """Counts the operations that pass over most of an ``[R, V]`` tensor,
-    read or written (views left out, and gathers and scatters, which touch
-    a few elements a row), and the bytes of those tensors."""
-
-    def __init__(self, shape: tuple[int, int]) -> None:
-        super().__init__()
-        self.numel = shape[0] * shape[1] // 2
-        self.names: list[str] = []
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        if func.is_view or name in ("gather", "scatter_", "scatter"):
-            return out
-        outs = out if isinstance(out, tuple) else (out,)
-        whole = [
-            t for t in (*args, *outs)
-            if isinstance(t, torch.Tensor) and t.numel() >= self.numel
-        ]  # fmt: skip
-        if whole:
-            self.names.append(name)
-            self.bytes += sum(t.numel() * t.element_size() for t in whole)
-        return out
-
-
 @pytest.mark.parametrize("eos", [-1, EOS])
 def test_the_fixed_step_passes_over_the_rows_four_times(eos: int) -> None:
     """The fixed-shape step (an accelerator's) passes over the ``[R, V]``
@@ -303,7 +277,7 @@ def test_the_fixed_step_passes_over_the_rows_four_times(eos: int) -> None:
         [2 * width] * groups, logits.device,
     )  # fmt: skip
     cum = torch.zeros(rows, dtype=torch.float64)
-    with _RowPasses((rows, vocab)) as passes:
+    with RowPasses((rows, vocab)) as passes:
         select_rows(logprobs, cum, seg, fixed=True)
     kernels = ["topk", "eq", "where", "topk"]
     if eos >= 0:

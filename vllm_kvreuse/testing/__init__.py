@@ -14,6 +14,8 @@
 - ``reference.py``: the chunk cache's references: masks and segmented KV;
 - ``catalog_reference.py``: the dense catalog-constrained beam step;
 - ``beam_reference.py``: one beam step by brute force over whole rows;
+- ``row_passes.py``: the operations that pass over whole logits rows, and
+  their bytes;
 - ``fake_worker.py``: a stand-in model runner for scheduler-level tests
   (tokens, and beam steps through the real worker code);
 - ``soak/``: a bounded mixed-load run against a live server.
