@@ -120,6 +120,23 @@ def test_a_tie_with_eos_ranks_by_token_in_a_wide_row(fixed: bool) -> None:
     assert as_lists(got) == reference_lists(logits, cum, rule)
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "pruned"])
+@pytest.mark.parametrize("seed", range(30))
+def test_bfloat16_logits_select_what_the_brute_force_does(
+    seed: int, fixed: bool
+) -> None:
+    """A bfloat16 model's logits (few mantissa bits: ties everywhere) give
+    both selections the brute force's beams, scores bit for bit."""
+    rng = np.random.default_rng(5000 + seed)
+    rows, vocab = int(rng.integers(1, 9)), int(rng.choice([40, 300, 1024]))
+    logits = torch.from_numpy(rng.standard_normal((rows, vocab)) * 3).bfloat16()
+    cum = torch.from_numpy(rng.choice([0.0, -1.0, -1.5], size=rows))
+    width = int(rng.choice([1, 2, 4, 8]))
+    rule = Rule(width, EOS, 2 * width) if seed % 2 else Rule(width)
+    got = select_plain(logits, cum, rule, fixed=fixed)
+    assert as_lists(got) == reference_lists(logits, cum, rule)
+
+
 def beams_of(cum: torch.Tensor) -> list[Beam]:
     return [
         Beam(BeamSearchSequence(None, [1, 5 + i], [], cum_logprob=c), f"b{i}")

@@ -82,7 +82,7 @@ def row_candidates(
     above = (top > last).sum(dim=1, keepdim=True)  # they lead ``picked``
     reverse = torch.arange(vocab, 0, -1, dtype=torch.int32, device=device)
     tied = torch.where(values == last, reverse, 0)  # vocab - token; 0: not tied
-    first_tied = vocab - tied.topk(k, dim=1).values.long()  # vocab: no token
+    first_tied = vocab - tied.topk(k, dim=1).values  # vocab: no token
     place = torch.arange(k, device=device)[None, :]
     from_ties = first_tied.gather(1, (place - above).clamp(min=0))
     tokens = torch.where(place < above, picked, from_ties).sort(dim=1).values
@@ -136,20 +136,19 @@ def threshold_candidates(
     cum: torch.Tensor,
     seg: Segments,
     alive: torch.Tensor,
-    runs: Runs | None = None,
+    runs: Runs,
     order: torch.Tensor | None = None,
 ) -> Candidates:
     """Every candidate scoring at least a bound that at least ``width`` of
     its group's candidates reach (data-dependent shapes; CPU).
 
-    Rows are cut into runs of :data:`CHUNK` tokens (``runs``, default
+    Rows are cut into runs of :data:`CHUNK` tokens (``runs``:
     :meth:`Runs.of` the rows). The bound: the group's ``width``-th best
     score among each row's best few run maxima (distinct candidates); -inf
     where the group has fewer, and then every finite candidate of the
     group. Only the runs whose maximum reaches the bound are scanned, so the
     cost past one pass is the candidates', not ``R x V``. ``order``: the
     row holding each beam (:func:`.select.select_rows`)."""
-    runs = Runs.of(logprobs, seg) if runs is None else runs
     maxima = runs.maxima if order is None else runs.maxima[order]
     pairs = zip(seg.widths, seg.rows, strict=True)
     few = min(maxima.shape[1], max(max(1, -(-4 * w // r)) for w, r in pairs))
