@@ -72,6 +72,35 @@ def test_a_held_running_request_keeps_its_seat_and_comes_back_at_the_head(
     assert (scheduler.max_num_running_reqs, scheduler.max_num_active_reqs) == seats
 
 
+def test_each_reason_releases_its_own_holds_and_the_summary_is_the_steps(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """``release_all`` gives up one reason's holds and no other's; a
+    request freed while held is no reason's any more; what the last
+    ``schedule()`` kept out is read as it stood then, not as the holds
+    changed since."""
+    scheduler = make_scheduler()
+    for name in "abc":
+        scheduler.add_request(make_request(name, list(range(100, 140))))
+    requests, holds = scheduler.requests, _holds(scheduler)
+    holds.hold(requests["a"], "one")
+    holds.hold(requests["a"], "two")
+    holds.hold(requests["b"], "one")
+    holds.hold(requests["c"], "two")
+    step(scheduler)
+    holds.release_all("one")
+    assert _ids(holds.held()) == ["a", "c"]
+    assert holds.last_out == (["a", "b", "c"], [])
+    assert holds.summary() == {"one": 2, "two": 2}
+    scheduler.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    holds.hold(requests["b"], "two")
+    holds.release_all("two")
+    assert not len(holds), "a reason's hold outlived release_all"
+    holds.release_all("one")  # nothing left: a no-op
+    output, _ = step(scheduler)
+    assert set(output.num_scheduled_tokens) == {"a", "b"}
+
+
 def test_a_finished_request_is_never_held(make_scheduler: SchedulerFactory) -> None:
     """Refused once finished, and forgotten when freed."""
     scheduler = make_scheduler()

@@ -40,6 +40,7 @@ which nothing else calls (``tests/unit/test_holds.py``).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -53,17 +54,19 @@ class Holds:
 
     Changed only here: ``taken``, the requests out of the waiting and the
     running queue during the ``schedule()`` in progress (empty between
-    steps); ``last_out``, the ids of those the last ``schedule()`` ran
-    without, each queue's in queue order; ``last_reasons``, how many of them
-    each reason kept out.
+    steps); ``_last``, those the last ``schedule()`` ran without and the
+    holds as they stood then (read by :attr:`last_out` and :meth:`summary`).
+    A request's reasons are a frozenset replaced on every change, so the
+    holds of a step are kept by a shallow copy: the per-step cost is a few
+    C-level passes, whatever a beam group's width.
     """
 
     def __init__(self, upstream: Upstream) -> None:
         self._upstream = upstream
-        self._held: dict[str, tuple[Request, set[str]]] = {}
+        self._held: dict[str, tuple[Request, frozenset[str]]] = {}
+        self._of_reason: dict[str, set[str]] = {}  # reason -> ids it holds
         self.taken: tuple[list[Request], list[Request]] = ([], [])
-        self.last_out: tuple[list[str], list[str]] = ([], [])
-        self.last_reasons: Counter[str] = Counter()
+        self._last: tuple[list[Request], list[Request], dict] = ([], [], {})
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._held
@@ -80,24 +83,29 @@ class Holds:
             return False
         held = self._held.get(request.request_id)
         if held is None or held[0] is not request:
-            self._held[request.request_id] = (request, {reason})
-        else:
-            held[1].add(reason)
+            if held is not None:  # another request under the same id
+                self._unindex(request.request_id, held[1])
+            self._held[request.request_id] = (request, frozenset((reason,)))
+        elif reason not in held[1]:
+            self._held[request.request_id] = (request, held[1] | {reason})
+        self._of_reason.setdefault(reason, set()).add(request.request_id)
         return True
 
     def release(self, request_id: str, reason: str) -> None:
         """Gives up ``reason``'s hold on ``request_id``; held for no reason
         left, it is scheduled again from the next step."""
         held = self._held.get(request_id)
-        if held is not None:
-            held[1].discard(reason)
-            if not held[1]:
+        if held is not None and reason in held[1]:
+            self._unindex(request_id, (reason,))
+            left = held[1] - {reason}
+            if left:
+                self._held[request_id] = (held[0], left)
+            else:
                 del self._held[request_id]
 
     def release_all(self, reason: str) -> None:
-        """Gives up every hold for ``reason``."""
-        held = [rid for rid, (_, why) in self._held.items() if reason in why]
-        for request_id in held:
+        """Gives up every hold for ``reason`` (its own ids, not every hold)."""
+        for request_id in list(self._of_reason.get(reason, ())):
             self.release(request_id, reason)
 
     def held(self, reason: str | None = None) -> list[Request]:
@@ -109,25 +117,34 @@ class Holds:
 
     def forget(self, request_id: str) -> None:
         """``request_id`` is being freed: every hold on it goes."""
-        self._held.pop(request_id, None)
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._unindex(request_id, held[1])
+
+    def _unindex(self, request_id: str, reasons: Iterable[str]) -> None:
+        for reason in reasons:
+            ids = self._of_reason.get(reason)
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del self._of_reason[reason]
 
     def take_out(self) -> None:
         """Right before upstream's ``schedule()``: every held, unfinished
-        request leaves its queue (a running one with its seat)."""
+        request leaves its queue (a running one with its seat). A finished
+        request is in neither queue (upstream takes it out as it finishes):
+        the queues' own pass over what is held passes it over."""
         assert self.taken == ([], []), "held requests taken out twice"
-        held = {rid: r for rid, (r, _) in self._held.items() if not r.is_finished()}
-        if held:
-            self.taken = self._upstream.take_out_of_queues(held)
-        waiting, running = self.taken
-        self.last_out = (
-            [r.request_id for r in waiting],
-            [r.request_id for r in running],
-        )
-        self.last_reasons = Counter(
-            reason
-            for request in (*waiting, *running)
-            for reason in self._held[request.request_id][1]
-        )
+        if self._held:
+            self.taken = self._upstream.take_out_of_queues(self._held)
+        self._last = (*self.taken, dict(self._held))
+
+    @property
+    def last_out(self) -> tuple[list[str], list[str]]:
+        """The ids the last ``schedule()`` ran without, each queue's in
+        queue order."""
+        waiting, running, _ = self._last
+        return [r.request_id for r in waiting], [r.request_id for r in running]
 
     def put_back(self) -> None:
         """Right after upstream's ``schedule()``: what :meth:`take_out` took
@@ -139,4 +156,11 @@ class Holds:
 
     def summary(self) -> dict[str, int]:
         """What the last ``schedule()`` kept out, by reason (stall logs)."""
-        return dict(self.last_reasons)
+        waiting, running, held = self._last
+        return dict(
+            Counter(
+                reason
+                for request in (*waiting, *running)
+                for reason in held[request.request_id][1]
+            )
+        )

@@ -25,6 +25,7 @@ by member path of :mod:`.live` and :mod:`.sit_out`: same steps, same beams.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from vllm_kvreuse.beam.scheduler.group import BeamGroup
     from vllm_kvreuse.beam.scheduler.groups import GroupTable
     from vllm_kvreuse.core.context import Core
+
+_STATUS = attrgetter("status")
 
 REASON = "beam group stepped as one"
 """Why a member of a group stepped as one is out of upstream's loop."""
@@ -94,6 +97,7 @@ class OneRequestSteps:
             if any(ids):
                 group.new_blocks[member.request_id] = ids
         group.tables = [upstream.block_ids_of(rid) for rid in group.members]
+        group.held = members
         for member in members:
             self.core.holds.hold(member, REASON)
         group.as_one = True
@@ -121,7 +125,12 @@ class OneRequestSteps:
         group = self._groups.get(request.request_id)
         if group is not None and group.as_one:
             self.sync(group)
-            group.as_one, group.tables = False, None
+            group.as_one, group.tables, group.held, group.private = (
+                False,
+                None,
+                None,
+                None,
+            )
             for request_id in group.members:
                 self.core.holds.release(request_id, REASON)
 
@@ -209,7 +218,7 @@ class OneRequestSteps:
                 continue
             if not all(map(self._rows.ran_last_step, group.members)):
                 self.sync(group)  # the workers get its members' lists whole
-            members = [requests[rid] for rid in group.members]
+            members = group.held or [requests[rid] for rid in group.members]
             lineage = group.lineage
             count = lineage.outputs + lineage.num_steps if lineage else None
             self._rows.add(output, members, group.new_blocks, count)
@@ -218,12 +227,19 @@ class OneRequestSteps:
     # -- helpers -------------------------------------------------------------------
 
     def _members(self, group: BeamGroup) -> list[Request] | None:
-        """The group's members, if every one is running."""
-        requests = self.core.upstream.requests
-        members = [requests.get(rid) for rid in group.members]
-        if any(m is None or m.status != RequestStatus.RUNNING for m in members):
+        """The group's members, if every one is running (those it took
+        when stepped as one: a member that ends or is preempted is no longer
+        running, and none is ever replaced under its id)."""
+        members = group.held
+        if members is None:
+            requests = self.core.upstream.requests
+            found = [requests.get(rid) for rid in group.members]
+            if None in found:
+                return None
+            members = found  # type: ignore[assignment]
+        if set(map(_STATUS, members)) != {RequestStatus.RUNNING}:
             return None
-        return members  # type: ignore[return-value]
+        return members
 
     @staticmethod
     def _due(group: BeamGroup, members: list[Request]) -> bool:

@@ -76,10 +76,15 @@ class BeamGroup:
     # Stepped as one (:mod:`.as_one`): members out of upstream's loop, the
     # group's step added whole; ``new_blocks``: reserved block ids per
     # member, sent with its next step;
-    # ``tables``: the members' block tables, fixed while stepped as one.
+    # ``tables``: the members' block tables, fixed while stepped as one;
+    # ``held``: the member requests then (the scheduler's own objects);
+    # ``private``: the members' private blocks up to a block count, kept
+    # until a step's positions reach a new block.
     as_one: bool = False
     new_blocks: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     tables: list[tuple[list[int], ...]] | None = None
+    held: list[Request] | None = None
+    private: tuple[int, list[list[list[int]]]] | None = None
     # Its beams as back-pointers while stepped as one (:mod:`.lineage`):
     # ``beams`` are then those it began with.
     lineage: Lineage | None = None

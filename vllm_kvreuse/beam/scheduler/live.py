@@ -238,12 +238,16 @@ class LiveSteps:
         size = upstream.block_size
         shared = group.prompt_len // size
         end = -(-requests[group.members[0]].num_computed_tokens // size)
+        if group.tables is not None and group.private and group.private[0] == end:
+            return group.private[1]  # tables fixed: the same blocks
         tables = group.tables or [upstream.block_ids_of(r) for r in group.members]
         blocks = [[t[g][shared:end] for t in tables] for g in range(len(tables[0]))]
         lengths = {len(ids) for per_group in blocks for ids in per_group}
         assert lengths == {end - shared}, (
             f"beam group {group.root_id}: members' tables differ in length"
         )
+        if group.tables is not None:
+            group.private = (end, blocks)
         return blocks
 
     def rewind(self, request_id: str) -> None:

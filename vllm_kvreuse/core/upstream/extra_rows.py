@@ -104,7 +104,8 @@ class ExtraRows:
         if fence and output.total_num_scheduled_tokens == 0:
             scheduler.sched_step_seq += 1  # upstream advances it for non-empty steps
         ids = [request.request_id for request in requests]
-        if v1:  # as upstream: a row the last step did not run comes whole
+        if v1 and not self._previous.issuperset(ids):
+            # As upstream: a row the last step did not run comes whole.
             for request in requests:
                 if request.request_id not in self._previous:
                     cached.all_token_ids[request.request_id] = list(
@@ -120,8 +121,10 @@ class ExtraRows:
             for r in requests
         ]
         seq = scheduler.sched_step_seq if fence else None
-        positions = [request_state.run_one(r, seq) for r in requests]
-        blocks = [new_blocks.pop(rid, None) for rid in ids]
+        positions = request_state.run_one_each(requests, seq)
+        blocks: list[tuple[list[int], ...] | None] = [None] * len(ids)
+        if new_blocks:
+            blocks = [new_blocks.pop(rid, None) for rid in ids]
         append_cached_rows(cached, ids, blocks, positions, outputs)
         output.num_scheduled_tokens.update(dict.fromkeys(ids, 1))
         output.total_num_scheduled_tokens += len(ids)
@@ -138,13 +141,14 @@ class ExtraRows:
         if not rows:
             return output
         requests = self._scheduler.requests
-        for rid in rows:
-            request = requests.get(rid)
-            if request is not None:
-                request_state.settle_rows(request, 1)
-        scheduled = {
-            rid: n for rid, n in output.num_scheduled_tokens.items() if rid not in rows
-        }
+        request_state.settle_one_each(
+            r for r in map(requests.get, rows) if r is not None
+        )
+        scheduled = output.num_scheduled_tokens
+        if scheduled.keys() <= rows:  # a step of extra rows alone
+            scheduled = {}
+        else:
+            scheduled = {rid: n for rid, n in scheduled.items() if rid not in rows}
         return dataclasses.replace(output, num_scheduled_tokens=scheduled)
 
 

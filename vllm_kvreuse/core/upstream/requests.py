@@ -15,7 +15,7 @@ cuts the hashes) before it returns.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -75,19 +75,32 @@ def settle_rows(request: Request, num_row_tokens: int) -> None:
         request.num_stale_output_tokens -= stale
 
 
-def run_one(request: Request, fence: int | None) -> int:
-    """The request's next position is scheduled outside upstream's loop
+def run_one_each(requests: Sequence[Request], fence: int | None) -> list[int]:
+    """Each request's next position is scheduled outside upstream's loop
     (:mod:`.extra_rows`): advanced and counted in flight as upstream's
     ``_update_after_schedule`` does for a decoding row; ``fence``: the
-    deferred-free step sequence, when upstream keeps one. Returns that
-    position (its computed count before)."""
-    position = request.num_computed_tokens
-    request.num_computed_tokens = position + 1
-    request.num_in_flight_tokens += 1
-    request.is_prefill_chunk = False
-    if fence is not None:
-        request.last_sched_seq = fence
-    return position
+    deferred-free step sequence, when upstream keeps one. Returns those
+    positions (each computed count before). One loop for all: a beam
+    group's members are hundreds a step."""
+    positions = []
+    for request in requests:
+        position = request.num_computed_tokens
+        positions.append(position)
+        request.num_computed_tokens = position + 1
+        request.num_in_flight_tokens += 1
+        request.is_prefill_chunk = False
+        if fence is not None:
+            request.last_sched_seq = fence
+    return positions
+
+
+def settle_one_each(requests: Iterable[Request]) -> None:
+    """:func:`settle_rows` of one token for each of ``requests`` (the rows
+    :func:`run_one_each` ran), in one loop."""
+    for request in requests:
+        request.num_in_flight_tokens -= 1
+        if request.num_stale_output_tokens > 0:  # preempted while in flight
+            request.num_stale_output_tokens -= 1
 
 
 def history(request: Request, start: int) -> list[int]:

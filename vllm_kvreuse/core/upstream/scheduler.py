@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvreuse.core.upstream import requests as request_state
 
@@ -181,22 +181,30 @@ class Upstream:
     # -- holding (for :class:`vllm_kvreuse.core.holds.Holds` alone) ---------------
 
     def take_out_of_queues(
-        self, held: Mapping[str, Request]
+        self, held: Mapping[str, tuple[Request, Any]]
     ) -> tuple[list[Request], list[Request]]:
-        """Takes the ``held`` requests (by id) out of the waiting and running
-        queues for one ``schedule()``, a running one with its seat; returns
-        each queue's, in queue order. One in neither queue stays where it is.
-        :meth:`put_back_into_queues` undoes it."""
+        """Takes the ``held`` requests (id -> the request and anything) out
+        of the waiting and running queues for one ``schedule()``, a running
+        one with its seat; returns each queue's, in queue order. One in
+        neither queue stays where it is. :meth:`put_back_into_queues` undoes
+        it. One pass over each queue (a beam group's members are hundreds)."""
         scheduler = self._scheduler
-        waiting = [r for r in scheduler.waiting if held.get(r.request_id) is r]
+        waiting = [r for r in scheduler.waiting if _held(held, r)]
         if waiting:
             scheduler.waiting.remove_requests(waiting)
-        running = [r for r in scheduler.running if held.get(r.request_id) is r]
-        if running:
-            gone = set(map(id, running))
-            scheduler.running[:] = [r for r in scheduler.running if id(r) not in gone]
-            scheduler.max_num_running_reqs -= len(running)
-            scheduler.max_num_active_reqs -= len(running)
+        running: list[Request] = []
+        if scheduler.running:
+            kept: list[Request] = []
+            for request in scheduler.running:
+                entry = held.get(request.request_id)
+                if entry is not None and entry[0] is request:
+                    running.append(request)
+                else:
+                    kept.append(request)
+            if running:
+                scheduler.running[:] = kept
+                scheduler.max_num_running_reqs -= len(running)
+                scheduler.max_num_active_reqs -= len(running)
         return waiting, running
 
     def put_back_into_queues(
@@ -211,7 +219,7 @@ class Upstream:
         back = [request for request in waiting if not request.is_finished()]
         if back:
             scheduler.waiting.prepend_requests(reversed(back))
-        scheduler.running[:0] = [r for r in running if not r.is_finished()]
+        scheduler.running[:0] = [r for r in running if r.status not in _FINISHED]
         scheduler.max_num_running_reqs += len(running)
         scheduler.max_num_active_reqs += len(running)
 
@@ -289,6 +297,17 @@ class Upstream:
     def end_rows(output: SchedulerOutput, row_ids: Iterable[str]) -> None:
         """The workers drop these row requests with this step."""
         output.finished_req_ids.update(row_ids)
+
+
+_FINISHED = frozenset(s for s in RequestStatus if RequestStatus.is_finished(s))
+"""Upstream's finished statuses (``Request.is_finished`` without two calls
+per request: a beam group puts hundreds back every step)."""
+
+
+def _held(held: Mapping[str, tuple[Request, Any]], request: Request) -> bool:
+    """Whether ``held`` holds this very request (not another by its id)."""
+    entry = held.get(request.request_id)
+    return entry is not None and entry[0] is request
 
 
 def append_cached_rows(
