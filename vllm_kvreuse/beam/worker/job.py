@@ -170,10 +170,9 @@ class BeamJob:
                 )
         device = logits.device
         states = [self._state_of(step, device) for step in steps]
-        seg = Segments.cached(
-            tuple(len(s.carriers) for s in states), tuple(s.rule.width for s in states),
-            tuple(s.rule.eos for s in states), tuple(s.rule.row_size for s in states),
-            device,
+        seg = Segments.of(
+            [len(s.carriers) for s in states], [s.rule.width for s in states],
+            [s.rule.eos for s in states], [s.rule.row_size for s in states], device,
         )  # fmt: skip
         assert seg.total_rows == len(ids), "a group's slots are its members"
         rows = torch.tensor(ids, device=device)

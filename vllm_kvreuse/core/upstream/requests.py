@@ -15,8 +15,10 @@ cuts the hashes) before it returns.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -62,6 +64,29 @@ def move_computed(request: Request, num_computed: int) -> None:
     """Sets the request's computed count (a KV connector loads the tokens
     it skips; the request is then sent whole: :mod:`vllm_kvreuse.core.resend`)."""
     request.num_computed_tokens = num_computed
+
+
+_FINISHED = frozenset(s for s in RequestStatus if RequestStatus.is_finished(s))
+
+
+def unfinished(requests: Iterable[Request]) -> list[Request]:
+    """Those of ``requests`` not finished, in order (``is_finished`` costs
+    two calls a request: a beam group puts hundreds back a step)."""
+    return [r for r in requests if r.status not in _FINISHED]
+
+
+def split_held(
+    requests: Iterable[Request], held: Mapping[str, tuple[Request, Any]]
+) -> tuple[list[Request], list[Request]]:
+    """Those of ``requests`` that ``held`` holds (that very request, by its
+    id), and the others, each in order: one pass (a queue of hundreds)."""
+    taken: list[Request] = []
+    kept: list[Request] = []
+    for request in requests:
+        entry = held.get(request.request_id)
+        is_held = entry is not None and entry[0] is request
+        (taken if is_held else kept).append(request)
+    return taken, kept
 
 
 def settle_rows(request: Request, num_row_tokens: int) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 from vllm_kvreuse.core.upstream import requests as request_state
 
@@ -183,28 +183,19 @@ class Upstream:
     def take_out_of_queues(
         self, held: Mapping[str, tuple[Request, Any]]
     ) -> tuple[list[Request], list[Request]]:
-        """Takes the ``held`` requests (id -> the request and anything) out
-        of the waiting and running queues for one ``schedule()``, a running
-        one with its seat; returns each queue's, in queue order. One in
-        neither queue stays where it is. :meth:`put_back_into_queues` undoes
-        it. One pass over each queue (a beam group's members are hundreds)."""
+        """Takes the ``held`` requests (id -> (request, reasons)) out of the
+        waiting and running queues for one ``schedule()``, a running one with
+        its seat; returns each queue's, in queue order. One in neither queue
+        stays where it is. :meth:`put_back_into_queues` undoes it."""
         scheduler = self._scheduler
-        waiting = [r for r in scheduler.waiting if _held(held, r)]
+        waiting, _ = request_state.split_held(scheduler.waiting, held)
         if waiting:
             scheduler.waiting.remove_requests(waiting)
-        running: list[Request] = []
-        if scheduler.running:
-            kept: list[Request] = []
-            for request in scheduler.running:
-                entry = held.get(request.request_id)
-                if entry is not None and entry[0] is request:
-                    running.append(request)
-                else:
-                    kept.append(request)
-            if running:
-                scheduler.running[:] = kept
-                scheduler.max_num_running_reqs -= len(running)
-                scheduler.max_num_active_reqs -= len(running)
+        running, kept = request_state.split_held(scheduler.running, held)
+        if running:
+            scheduler.running[:] = kept
+            scheduler.max_num_running_reqs -= len(running)
+            scheduler.max_num_active_reqs -= len(running)
         return waiting, running
 
     def put_back_into_queues(
@@ -216,10 +207,9 @@ class Upstream:
         queue, and every seat. One finished meanwhile stays out (it left its
         queue for good)."""
         scheduler = self._scheduler
-        back = [request for request in waiting if not request.is_finished()]
-        if back:
+        if back := request_state.unfinished(waiting):
             scheduler.waiting.prepend_requests(reversed(back))
-        scheduler.running[:0] = [r for r in running if r.status not in _FINISHED]
+        scheduler.running[:0] = request_state.unfinished(running)
         scheduler.max_num_running_reqs += len(running)
         scheduler.max_num_active_reqs += len(running)
 
@@ -297,17 +287,6 @@ class Upstream:
     def end_rows(output: SchedulerOutput, row_ids: Iterable[str]) -> None:
         """The workers drop these row requests with this step."""
         output.finished_req_ids.update(row_ids)
-
-
-_FINISHED = frozenset(s for s in RequestStatus if RequestStatus.is_finished(s))
-"""Upstream's finished statuses (``Request.is_finished`` without two calls
-per request: a beam group puts hundreds back every step)."""
-
-
-def _held(held: Mapping[str, tuple[Request, Any]], request: Request) -> bool:
-    """Whether ``held`` holds this very request (not another by its id)."""
-    entry = held.get(request.request_id)
-    return entry is not None and entry[0] is request
 
 
 def append_cached_rows(
