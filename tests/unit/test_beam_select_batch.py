@@ -94,6 +94,34 @@ def test_a_batch_selects_what_each_group_selects_alone(seed: int, fixed: bool) -
         assert members[out].tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_step_never_writes_its_layout(seed: int) -> None:
+    """Steps of the same layout share one :class:`Segments`
+    (:meth:`Segments.cached`): no selection may write its tensors."""
+    rng = np.random.default_rng(500 + seed)
+    catalog = random_catalog(rng, dense=bool(seed % 2))
+    groups = random_groups(rng, catalog.vocab_size)
+    seg = segments_of(groups)
+    fields = [
+        f for f in Segments.__slots__ if isinstance(getattr(seg, f), torch.Tensor)
+    ]
+    before = {f: getattr(seg, f).clone() for f in fields}
+    for fixed in (True, False):
+        sel = select_rows(
+            logprobs_of(cat(groups, 0)), cat(groups, 1), seg, sampled=cat(groups, 4),
+            fixed=fixed, alive=cat(groups, 3),
+        )  # fmt: skip
+        members_per_group(seg, cat(groups, 5), cat(groups, 3), sel.parents, sel.valid)
+    nodes = torch.from_numpy(rng.integers(0, catalog.num_nodes, size=seg.total_rows))
+    children, _ = catalog.legal(nodes)
+    select_catalog_rows(
+        logprobs_of(cat(groups, 0)), cat(groups, 1), seg, children,
+        catalog.is_leaf(nodes), alive=cat(groups, 3),
+    )  # fmt: skip
+    for f in fields:
+        assert torch.equal(getattr(seg, f), before[f]), f"a step wrote seg.{f}"
+
+
 def _held(groups: list[tuple], seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     """The groups' log-prob rows in member order (each group's beam ``b``
     held by its member ``carried_by[b]``), and ``order``: the row holding

@@ -369,6 +369,28 @@ def _record(driver: Driver) -> None:
     SEEN["steps"] += driver.num_steps
 
 
+def _scripted_demotions(model_config: ModelConfig) -> None:
+    """One fixed run that fills a small device store with documents until
+    chunks move to the CPU tier, checked after every action as the random
+    runs are. Random traffic reaches demotions in about one run in forty,
+    and which runs do shifts with unrelated changes to the code (an unused
+    function added to a worker module changed the derandomised search's
+    examples, and no demotion was left): this run keeps the path covered."""
+    machine = SchedulerMachine(model_config)
+    machine.build(
+        num_blocks=24, budget=256, max_num_seqs=4, store=0.25, cpu_store=2e-5,
+        async_scheduling=False,
+    )  # fmt: skip
+    for docs in ([0], [1], [2], [3], [4], [0, 1], [2, 3]):
+        machine.add_chunked(docs=docs, question=4, max_tokens=1, threshold=None)
+        machine.accounting_holds()
+        machine.step(count=4, variant=0, eos=False, abort_during=None)
+        machine.accounting_holds()
+    demotions = machine.d.seen["chunk demotions"]
+    machine.teardown()
+    assert demotions, "the scripted run no longer demotes a chunk: refill it"
+
+
 def _settings() -> settings:
     return settings(
         max_examples=EXAMPLES or 500,
@@ -387,6 +409,7 @@ def test_random_traffic_keeps_blocks_accounted_and_requests_moving(
     """Random arrivals, aborts, preemptions, expiries and resets on a tiny pool:
     no leak, no stall, every client answered exactly once."""
     SEEN.clear()
+    _scripted_demotions(model_config)
     run_state_machine_as_test(
         lambda: SchedulerMachine(model_config), settings=_settings()
     )

@@ -125,12 +125,8 @@ class OneRequestSteps:
         group = self._groups.get(request.request_id)
         if group is not None and group.as_one:
             self.sync(group)
-            group.as_one, group.tables, group.held, group.private = (
-                False,
-                None,
-                None,
-                None,
-            )
+            group.as_one = False
+            group.tables = group.held = group.private = None
             for request_id in group.members:
                 self.core.holds.release(request_id, REASON)
 

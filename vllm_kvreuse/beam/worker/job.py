@@ -170,10 +170,10 @@ class BeamJob:
                 )
         device = logits.device
         states = [self._state_of(step, device) for step in steps]
-        seg = Segments.of(
-            [len(s.carriers) for s in states], [s.rule.width for s in states],
-            [s.rule.eos for s in states], [s.rule.row_size for s in states], device,
-        )  # fmt: skip
+        rules = [
+            (len(s.carriers), s.rule.width, s.rule.eos, s.rule.row_size) for s in states
+        ]
+        seg = Segments.cached(*zip(*rules, strict=True), device)  # type: ignore[arg-type]
         assert seg.total_rows == len(ids), "a group's slots are its members"
         rows = torch.tensor(ids, device=device)
         carried_by = torch.cat([s.carriers for s in states])

@@ -15,6 +15,7 @@ scheduling on CUDA.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,20 @@ class Segments:
             widths=list(widths), eos_ids=list(eos),
         )  # fmt: skip
 
+    @classmethod
+    def cached(
+        cls,
+        rows: tuple[int, ...],
+        widths: tuple[int, ...],
+        eos: tuple[int, ...],
+        row_sizes: tuple[int, ...],
+        device: torch.device,
+    ) -> Segments:
+        """:meth:`of`, shared by every step of the same layout (a batch's
+        groups keep theirs from step to step): its tensors are read, never
+        written, by every function here and in :mod:`.select`."""
+        return _cached_layout(rows, widths, eos, row_sizes, device)
+
     @property
     def num_groups(self) -> int:
         return len(self.rows)
@@ -111,6 +126,17 @@ class Segments:
     def out_slices(self) -> list[slice]:
         starts = _host_starts(self.widths)
         return [slice(s, s + n) for s, n in zip(starts, self.widths, strict=True)]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_layout(
+    rows: tuple[int, ...],
+    widths: tuple[int, ...],
+    eos: tuple[int, ...],
+    row_sizes: tuple[int, ...],
+    device: torch.device,
+) -> Segments:
+    return Segments.of(rows, widths, eos, row_sizes, device)
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
