@@ -96,8 +96,9 @@ def test_a_batch_selects_what_each_group_selects_alone(seed: int, fixed: bool) -
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_step_never_writes_its_layout(seed: int) -> None:
-    """Steps of the same layout share one :class:`Segments`
-    (:meth:`Segments.cached`): no selection may write its tensors."""
+    """Steps of the same layout share one :class:`Segments` (the
+    segments module's ``cached_layout``): no selection may write its
+    tensors."""
     rng = np.random.default_rng(500 + seed)
     catalog = random_catalog(rng, dense=bool(seed % 2))
     groups = random_groups(rng, catalog.vocab_size)

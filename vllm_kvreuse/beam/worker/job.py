@@ -25,7 +25,7 @@ say which logits row holds which request and how blocks are copied.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -34,6 +34,7 @@ from vllm_kvreuse.beam.plan import GroupStep, PackedResult
 from vllm_kvreuse.beam.worker.segments import (
     Segments,
     block_pairs,
+    cached_layout,
     members_per_group,
 )
 from vllm_kvreuse.beam.worker.select import (
@@ -170,10 +171,8 @@ class BeamJob:
                 )
         device = logits.device
         states = [self._state_of(step, device) for step in steps]
-        rules = [
-            (len(s.carriers), s.rule.width, s.rule.eos, s.rule.row_size) for s in states
-        ]
-        seg = Segments.cached(*zip(*rules, strict=True), device)  # type: ignore[arg-type]
+        shape = [(len(s.carriers), *astuple(s.rule)) for s in states]
+        seg = cached_layout(*zip(*shape, strict=True), device)  # type: ignore[arg-type]
         assert seg.total_rows == len(ids), "a group's slots are its members"
         rows = torch.tensor(ids, device=device)
         carried_by = torch.cat([s.carriers for s in states])

@@ -93,20 +93,6 @@ class Segments:
             widths=list(widths), eos_ids=list(eos),
         )  # fmt: skip
 
-    @classmethod
-    def cached(
-        cls,
-        rows: tuple[int, ...],
-        widths: tuple[int, ...],
-        eos: tuple[int, ...],
-        row_sizes: tuple[int, ...],
-        device: torch.device,
-    ) -> Segments:
-        """:meth:`of`, shared by every step of the same layout (a batch's
-        groups keep theirs from step to step): its tensors are read, never
-        written, by every function here and in :mod:`.select`."""
-        return _cached_layout(rows, widths, eos, row_sizes, device)
-
     @property
     def num_groups(self) -> int:
         return len(self.rows)
@@ -128,15 +114,11 @@ class Segments:
         return [slice(s, s + n) for s, n in zip(starts, self.widths, strict=True)]
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_layout(
-    rows: tuple[int, ...],
-    widths: tuple[int, ...],
-    eos: tuple[int, ...],
-    row_sizes: tuple[int, ...],
-    device: torch.device,
-) -> Segments:
-    return Segments.of(rows, widths, eos, row_sizes, device)
+cached_layout = functools.lru_cache(maxsize=256)(Segments.of)
+""":meth:`Segments.of`, one per layout, shared by every step of it (a
+batch's groups keep theirs from step to step; arguments as tuples): its
+tensors are read, never written, by every function here and in
+:mod:`.select`."""
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
