@@ -70,8 +70,9 @@ def test_forks_and_usage_are_reported(servers) -> None:
     result = beams(engine, prompt(99, 70), width=4, max_tokens=3)
     assert result["usage"]["prompt_tokens_details"] is not None
     assert engine.metric("vllm_kvreuse:beam_groups_total") == groups + 1
-    # Step 2 forks 4 beams (new members); step 3 moves only the members
-    # whose beam died onto another parent. Each beam computes one token.
+    # The root's step forks 4 beams (new members); the members' first step
+    # moves those whose beam died onto another parent; the last puts no
+    # beam on another's KV (its beams are final). Each beam computes one token.
     assert before + 4 <= engine.metric("vllm_kvreuse:beam_forks_total") <= before + 8
     assert (
         engine.metric("vllm_kvreuse:beam_computed_prompt_tokens_total") == computed + 8

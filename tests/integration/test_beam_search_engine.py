@@ -123,6 +123,30 @@ def test_beams_live_across_steps(llm: LLM) -> None:
     assert live.num_moved > moved  # members took other beams (KV copied)
 
 
+def test_the_last_step_copies_no_kv(llm: LLM, monkeypatch) -> None:
+    """A group's last step selects final beams: no member computes their
+    KV, so the workers copy none (on a GPU, a gather and a scatter a layer
+    left out). Two tokens: the members' one step is the last. The beams are
+    still vLLM's loop's."""
+    from vllm_kvreuse.beam.worker import runner_hooks
+
+    copies: list[int] = []
+    original = runner_hooks.copy_blocks_indexed
+
+    def counted(kv_caches, num_blocks, src, dst) -> None:
+        copies.append(len(src))
+        original(kv_caches, num_blocks, src, dst)
+
+    monkeypatch.setattr(runner_hooks, "copy_blocks_indexed", counted)
+    params = BeamSearchParams(beam_width=4, max_tokens=2, ignore_eos=True)
+    batch = prompts(3, first_seed=5)
+    expected = summary(type(llm).beam_search.__wrapped__(llm, batch, params))
+    outputs = llm.beam_search(batch, params, concurrency_limit=3)
+    for want, have in zip(expected, summary(outputs), strict=True):
+        assert_same_ranking(want, have)
+    assert copies == []
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_a_step_of_beams_alone_draws_nothing(
     llm: LLM, ignore_eos: bool, runner: str

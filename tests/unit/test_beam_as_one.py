@@ -11,6 +11,7 @@ from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import num_free_blocks
 from tests.unit.test_beam_scheduler import PROMPT, host_search, root
+from vllm_kvreuse.beam.plan import steps_of
 from vllm_kvreuse.beam.result import decode
 from vllm_kvreuse.beam.rule import BeamConfig
 from vllm_kvreuse.core.upstream.extra_rows import extra_rows
@@ -29,9 +30,13 @@ def model_output(scheduler, output):
     return made_up_output(scheduler, output, sampling, 10)
 
 
-def search(scheduler, width: int, max_tokens: int, preempt_at: int | None = None):
+def search(
+    scheduler, width: int, max_tokens: int, preempt_at: int | None = None,
+    plans: list | None = None,
+):  # fmt: skip
     """Runs one group to its end; returns (beams, each step's extra rows, the
-    group's members, whether it was stepped as one when it ended)."""
+    group's members, whether it was stepped as one when it ended).
+    ``plans``: gets each member step's private blocks (a ``GroupStep``'s)."""
     feature = scheduler.feature("beam")
     scheduler.add_request(root(width, max_tokens))
     rows, outputs, members, as_one = [], [], [], False
@@ -41,6 +46,8 @@ def search(scheduler, width: int, max_tokens: int, preempt_at: int | None = None
         output = scheduler.schedule()
         pickle.dumps(output)  # what a multiprocess executor sends its workers
         rows.append(extra_rows(output))
+        if plans is not None:
+            plans += [s.blocks for s in steps_of(output) if s.kind in ("start", "step")]
         # Upstream's schedule() ran without every extra row's request.
         assert extra_rows(output) <= set(scheduler.kvreuse.holds.last_out[1])
         for group in feature.groups:
@@ -78,6 +85,21 @@ def test_members_are_rows_upstream_never_walks(make_scheduler) -> None:
     assert [bool(r) for r in rows[:7]] == [False, False, True, True, True, True, False]
     assert all(r == set(members) for r in rows[2:6])
     assert num_free_blocks(scheduler) == free
+
+
+def test_the_last_step_names_no_blocks_to_copy(make_scheduler) -> None:
+    """A step names each member's private blocks, for the workers to copy a
+    moved beam's parent's; the last step's beams are final (no member
+    computes their KV), so it names none. Stepped as one, and member by
+    member (a pool too small to reserve 60 tokens' blocks)."""
+    for num_blocks, max_tokens, as_one in ((64, 6, True), (14, 60, False)):
+        scheduler, plans = make_scheduler(num_blocks=num_blocks), []
+        beams, _, _, _ = search(scheduler, 4, max_tokens, plans=plans)
+        assert beams == expected(4, max_tokens)
+        assert scheduler.feature("beam").as_one.num_taken == int(as_one)
+        assert len(plans) == max_tokens - 1  # tokens 2 .. max_tokens
+        assert all(blocks and blocks[0] and all(blocks[0]) for blocks in plans[:-1])
+        assert plans[-1] == []
 
 
 def test_a_pool_too_small_to_reserve_goes_member_by_member(make_scheduler) -> None:

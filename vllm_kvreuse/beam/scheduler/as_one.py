@@ -150,13 +150,8 @@ class OneRequestSteps:
             lineage = group.lineage = Lineage.begin(
                 group.beams, first.num_output_tokens
             )
-        before = lineage.current_carriers(group.members)
-        was = np.asarray(before)[np.asarray(result.parents, dtype=np.int64)]
-        moved = int((was != np.asarray(result.carriers)).sum())
-        size, start = self.core.block_size, group.prompt_len
-        length = start + group.step  # each member's tokens, before this step's
-        group.num_forks += moved
-        group.num_copied_blocks += moved * (-(-length // size) - start // size)
+        if group.step + 1 < group.config.max_tokens:  # the last copies nothing
+            self._count_moves(group, lineage, result)
         nodes = group.rule.next_nodes(lineage.nodes, result.parents, result.tokens)
         lineage.record(result, nodes, group.config.eos_token_id)
         group.step += 1
@@ -167,6 +162,19 @@ class OneRequestSteps:
             lineage.sequences(),
             group.config,
         )
+
+    def _count_moves(
+        self, group: BeamGroup, lineage: Lineage, result: GroupResult
+    ) -> None:
+        """The step's beams that moved onto another member, and the blocks
+        the workers copied for them."""
+        before = lineage.current_carriers(group.members)
+        was = np.asarray(before)[np.asarray(result.parents, dtype=np.int64)]
+        moved = int((was != np.asarray(result.carriers)).sum())
+        size, start = self.core.block_size, group.prompt_len
+        length = start + group.step  # each member's tokens, before this step's
+        group.num_forks += moved
+        group.num_copied_blocks += moved * (-(-length // size) - start // size)
 
     def sync(self, group: BeamGroup) -> None:
         """Builds the group's beams from its back-pointers, and each

@@ -232,12 +232,19 @@ class LiveSteps:
     def private_blocks(self, group: BeamGroup) -> list[list[list[int]]]:
         """Each member's blocks past the prefix all members share, up to the
         last one the step writes, per KV-cache group (the workers copy a
-        parent's into the member that takes its child)."""
+        parent's into the member that takes its child); none for the
+        group's last step, whose beams are final: no member computes their
+        KV, so nothing is copied (the worker's block copies, one gather and
+        one scatter a layer on a GPU, are left out)."""
         upstream = self.core.upstream
         requests = self.core.scheduler.requests
         size = upstream.block_size
         shared = group.prompt_len // size
-        end = -(-requests[group.members[0]].num_computed_tokens // size)
+        # Read after the schedule: the step's position is counted.
+        computed = requests[group.members[0]].num_computed_tokens
+        if computed >= group.prompt_len + group.config.max_tokens - 1:
+            return []
+        end = -(-computed // size)
         if group.tables is not None and group.private and group.private[0] == end:
             return group.private[1]  # tables fixed: the same blocks
         tables = group.tables or [upstream.block_ids_of(r) for r in group.members]
