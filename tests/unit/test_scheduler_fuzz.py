@@ -22,7 +22,10 @@ a client; after every step, that a token is scheduled within
 drain without arrivals (``DRAIN_STEPS``) and a cache reset, that every
 client was answered exactly once and every block, pin, plan and internal
 request is gone. The test also fails if the runs never exercised one of
-:data:`EXERCISED`.
+:data:`EXERCISED`. Two fixed runs, checked the same way, keep the paths
+random traffic reaches only now and then covered whatever the search
+draws: chunks demoted to the CPU tier, and a load that fails on lost bytes
+(then the chunk stored again).
 
 The suite runs 500 derandomised examples (about 15 s here). A longer,
 random search (new sequences each run)::
@@ -391,6 +394,32 @@ def _scripted_demotions(model_config: ModelConfig) -> None:
     assert demotions, "the scripted run no longer demotes a chunk: refill it"
 
 
+def _scripted_lost_chunk(model_config: ModelConfig) -> None:
+    """One fixed run in which a tier loses a stored chunk's bytes while a
+    request that uses it arrives: the step plans the load before the worker
+    reports the loss, so the load fails and the chunk is computed and
+    stored again. Random traffic reaches a failed load in a few runs of
+    the 500 (2 in one count), so unrelated changes could leave none."""
+    machine = SchedulerMachine(model_config)
+    machine.build(
+        num_blocks=40, budget=256, max_num_seqs=4, store=0.5, cpu_store=0.0,
+        async_scheduling=False,
+    )  # fmt: skip
+    machine.add_chunked(docs=[1], question=4, max_tokens=1, threshold=None)
+    machine.step(count=4, variant=0, eos=False, abort_during=None)
+    machine.accounting_holds()
+    machine.add_chunked(docs=[1], question=5, max_tokens=1, threshold=None)
+    machine.lose_chunk(0)
+    for question in (6, 7):  # the next request after the loss stores it again
+        machine.step(count=4, variant=0, eos=False, abort_during=None)
+        machine.accounting_holds()
+        machine.add_chunked(docs=[1], question=question, max_tokens=1, threshold=None)
+    machine.teardown()
+    seen = machine.d.seen
+    assert seen["chunk loads failed"], "the scripted run no longer fails a load"
+    assert seen["chunks stored again after a loss"], "the lost chunk never healed"
+
+
 def _settings() -> settings:
     return settings(
         max_examples=EXAMPLES or 500,
@@ -410,6 +439,7 @@ def test_random_traffic_keeps_blocks_accounted_and_requests_moving(
     no leak, no stall, every client answered exactly once."""
     SEEN.clear()
     _scripted_demotions(model_config)
+    _scripted_lost_chunk(model_config)
     run_state_machine_as_test(
         lambda: SchedulerMachine(model_config), settings=_settings()
     )
