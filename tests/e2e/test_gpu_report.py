@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,17 @@ def test_the_gpu_plan_fits_its_models(tmp_path: Path, monkeypatch) -> None:
         length = int(args[args.index("--max-model-len") + 1])
         assert length <= PRESETS[plan.models[model]].max_positions, model
     assert plan.rag_model_len >= 32_000
+
+
+def test_the_gpu_plan_ends_within_a_device_call(tmp_path: Path, monkeypatch) -> None:
+    """The whole run's budget is 8 minutes, whatever the sections' own sum
+    to (a device call is killed at 10, and the summary is written last):
+    every section's budget is cut to what is left of it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_report_plan import Plan
+
+    plan = Plan.make(False, tmp_path)
+    assert plan.total == 480
+    assert sum(plan.budgets.values()) > plan.total  # so the cut is what holds
+    begin = time.monotonic() - 470  # ten seconds left
+    assert plan.budget("beam_steps", begin) == pytest.approx(10, abs=1)
