@@ -27,6 +27,7 @@ from pathlib import Path
 
 SELECTION: dict[str, list[str]] = {
     "tests/unit/test_device_triton.py": [],  # every test of the file
+    "tests/unit/test_beam_step_no_sync.py": [],
     "tests/integration/test_chunk_cache_engine.py": [
         "test_a_request_of_new_chunks_is_computed_as_plain_vllm",
         "test_the_same_chunks_again_load_what_was_stored",

@@ -105,8 +105,10 @@ def copy_blocks_indexed(
     Every source is read before any destination is written (a gather, then a
     scatter); no host sync on an accelerator, so destinations may repeat
     when they repeat their source's value (a block copied onto itself). On
-    CPU, one ``copy_`` per block (see :func:`copy_cpu_blocks`); there the
-    caller passes only real moves, and no destination is a source.
+    CPU, one ``copy_`` per block that moves (see :func:`copy_cpu_blocks`;
+    reading the ids costs nothing there): a block copied onto itself is
+    left out, and no destination is another pair's source (the caller's
+    invariant: a destination member carried a beam without children).
     """
     if not len(src):
         return
@@ -123,7 +125,8 @@ def copy_blocks_indexed(
         blocks = tensor.unflatten(0, (num_blocks, per_block))
         if tensor.device.type == "cpu":
             if pairs is None:
-                pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
+                moves = zip(src.tolist(), dst.tolist(), strict=True)
+                pairs = [(s, d) for s, d in moves if s != d]
             for s, d in pairs:
                 blocks[d].copy_(blocks[s])
         else:

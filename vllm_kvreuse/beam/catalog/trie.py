@@ -282,9 +282,16 @@ class SidCatalog:
         return out.scatter_reduce_(1, tokens.clamp(min=0), values, reduce="amax")
 
     def _check_nodes(self, nodes: torch.Tensor) -> torch.Tensor:
+        """``nodes`` on the catalog's device, flat; checked in range where
+        reading them is free (on CPU: the scheduler's lookups). On an
+        accelerator the check would wait for the device, and a worker's
+        nodes are in range by construction (the plan's, checked on the
+        scheduler, then :meth:`child`'s, clamped)."""
         nodes = torch.as_tensor(nodes, device=self.device).long().reshape(-1)
-        assert len(nodes) == 0 or (
-            int(nodes.min()) >= 0 and int(nodes.max()) < self.num_nodes
+        assert (
+            nodes.device.type != "cpu"
+            or len(nodes) == 0
+            or (int(nodes.min()) >= 0 and int(nodes.max()) < self.num_nodes)
         ), f"node ids must lie in [0, {self.num_nodes}): a beam lost its node"
         return nodes
 

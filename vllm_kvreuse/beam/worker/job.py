@@ -36,6 +36,7 @@ from vllm_kvreuse.beam.worker.segments import (
     block_pairs,
     cached_layout,
     members_per_group,
+    to_device,
 )
 from vllm_kvreuse.beam.worker.select import (
     Rule,
@@ -75,18 +76,15 @@ class GroupState:
         assert step.carriers is not None and step.cum_logprobs is not None
         slots, beams = len(step.member_ids), len(step.carriers)
         pad = slots - beams
-        long = dict(dtype=torch.long, device=device)
         nodes = None
         if step.catalog:
             assert step.nodes is not None
-            nodes = torch.tensor([*step.nodes, *[0] * pad], **long)
+            nodes = to_device([*step.nodes, *[0] * pad], device)
         return cls(
             rule=Rule(step.width, step.eos, step.row_size),
             catalog=step.catalog,
-            carriers=torch.tensor([*step.carriers, *[0] * pad], **long),
-            cum=torch.tensor(
-                [*step.cum_logprobs, *[0.0] * pad], dtype=torch.float64, device=device
-            ),
+            carriers=to_device([*step.carriers, *[0] * pad], device),
+            cum=to_device([*step.cum_logprobs, *[0.0] * pad], device, torch.float64),
             nodes=nodes,
             alive=torch.arange(slots, device=device) < beams,
         )
@@ -174,7 +172,7 @@ class BeamJob:
         shape = [(len(s.carriers), *astuple(s.rule)) for s in states]
         seg = cached_layout(*zip(*shape, strict=True), device)  # type: ignore[arg-type]
         assert seg.total_rows == len(ids), "a group's slots are its members"
-        rows = torch.tensor(ids, device=device)
+        rows = to_device(ids, device)
         carried_by = torch.cat([s.carriers for s in states])
         beam_rows = seg.row_first + carried_by
         kind = "catalog" if steps[0].catalog else "plain"
@@ -295,8 +293,9 @@ class BeamJob:
         source: torch.Tensor, member: torch.Tensor,
     ) -> None:  # fmt: skip
         """Copies each moved beam's parent's private blocks into the member
-        that now carries it, every group's in one call (the others copy
-        onto themselves, or, on CPU, are left out); a root copies nothing."""
+        that now carries it, every group's in one call, fixed shapes (the
+        others copy onto themselves; on CPU the copier leaves those out); a
+        root copies nothing."""
         if self._copy_blocks is None:
             return
         per_member = [_private_count(step) for step in steps]
@@ -307,9 +306,6 @@ class BeamJob:
         src, dst = block_pairs(
             seg, per_member, [s.blocks for s in steps], source, dst_member
         )
-        if src.device.type == "cpu":
-            keep = src != dst
-            src, dst = src[keep], dst[keep]
         self._copy_blocks(src, dst)
 
     def _advance(

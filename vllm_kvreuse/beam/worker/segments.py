@@ -9,7 +9,8 @@ the one-group rule applied to each group independently: nothing of one
 group changes another's answer (``tests/unit/test_beam_select.py`` checks a
 batch against its groups one at a time).
 
-Fixed shapes throughout (no host sync): the selections run under async
+Fixed shapes throughout, and host data copied without waiting
+(:func:`to_device`): no host sync, as the selections run under async
 scheduling on CUDA.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from vllm.utils import torch_utils
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,7 @@ class Segments:
         per_slot = np.repeat(np.stack((ids, *groups[[3, 0, 1]])), width, axis=1)
         rank = np.arange(per_slot.shape[1]) - per_slot[1]
         flat = np.concatenate((groups.ravel(), per_row.ravel(), per_slot.ravel(), rank))
-        table = torch.from_numpy(flat).to(device)
+        table = to_device(flat, torch.device(device))
         num, total_rows, total = len(rows), per_row.shape[1], per_slot.shape[1]
         fields = table.split([num] * 6 + [total_rows] * 5 + [total] * 5)
         return cls(
@@ -119,6 +121,16 @@ cached_layout = functools.lru_cache(maxsize=256)(Segments.of)
 batch's groups keep theirs from step to step; arguments as tuples): its
 tensors are read, never written, by every function here and in
 :mod:`.select`."""
+
+
+def to_device(
+    values: list | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """``values`` on ``device`` without waiting for it (vLLM's pinned,
+    non-blocking copy): a plain copy from host memory waits for the stream,
+    every launch before it (the forward) included, which async scheduling
+    must not."""
+    return torch_utils.async_tensor_h2d(values, device, dtype)
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
@@ -252,15 +264,13 @@ def block_pairs(
     num = int(k.sum())
     within = np.arange(num) - np.repeat(np.cumsum(k) - k, k)
     host = np.concatenate((k, np.repeat(base, widths), within))
-    k_, slot_base, within_ = (
-        torch.from_numpy(host).to(source.device).split([len(k), len(k), num])
-    )
+    k_, slot_base, within_ = to_device(host, source.device).split([len(k), len(k), num])
     src_pos = (slot_base + source * k_).repeat_interleave(k_, output_size=num)
     dst_pos = (slot_base + dst_member * k_).repeat_interleave(k_, output_size=num)
     kept = [(b, n) for b, n in zip(blocks, per_member, strict=True) if b and n]
-    ids = torch.tensor(
+    ids = to_device(
         [[block for b, _ in kept for ids in b[kv] for block in ids]
          for kv in range(len(kept[0][0]))],
-        dtype=torch.long, device=source.device,
+        source.device,
     )  # fmt: skip  # [KV-cache groups, blocks]
     return ids[:, src_pos + within_].flatten(), ids[:, dst_pos + within_].flatten()
