@@ -121,6 +121,35 @@ def test_dense_and_csr_give_the_same_answers(seed: int) -> None:
         assert np.array_equal(getattr(a, field), getattr(b, field)), field
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_known_levels_give_the_same_rows(seed: int) -> None:
+    """Nodes at levels the caller names (a worker's groups, each at one
+    level): the same children as read off the nodes, in rows each level's
+    widest node sizes (fixed shapes: the host never waits); dense levels,
+    CSR ones, and a mix."""
+    rng = np.random.default_rng(300 + seed)
+    vocab = int(rng.integers(8, 300))
+    depth = int(rng.integers(1, 5))
+    span = int(rng.integers(1, min(vocab - 1, 50) + 1))
+    items = random_items(rng, int(rng.integers(1, 400)), depth, vocab, span)
+    dense_max = int(rng.choice([0, 200, 1 << 30]))
+    catalog = SidCatalog.from_items(items, vocab, dense_max_entries=dense_max)
+    levels = sorted({int(x) for x in rng.integers(0, depth + 1, size=2)})
+    starts = catalog.level_starts.tolist()
+    nodes = torch.from_numpy(
+        np.concatenate([rng.integers(starts[d], starts[d + 1], size=8) for d in levels])
+    )
+    assert {catalog.level_at(int(n)) for n in nodes} == set(levels)
+    tokens, children = catalog.legal(nodes, levels)
+    assert row_pairs(tokens, children) == row_pairs(*catalog.legal(nodes))
+    widest = max(
+        catalog.dense[d].table.shape[1] if d in catalog.dense
+        else int(catalog.indptr.diff()[starts[d]:starts[d + 1]].max())
+        for d in levels
+    )  # fmt: skip
+    assert tokens.shape == children.shape == (len(nodes), widest)
+
+
 def test_child_is_minus_one_outside_the_catalog() -> None:
     catalog = SidCatalog.from_items(np.array([[3, 5], [4, 6]]), 10)
     nodes = torch.tensor([0, 0, 0, 0, 1, 3])  # node 1 = (3,), node 3 = (3, 5)

@@ -20,7 +20,8 @@ import torch
 from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_kvreuse.beam.plan import put_results, steps_of
-from vllm_kvreuse.beam.worker.job import BeamJob, GroupState
+from vllm_kvreuse.beam.worker.job import BeamJob
+from vllm_kvreuse.beam.worker.state import GroupState
 
 _STATES: weakref.WeakKeyDictionary[Any, dict[str, GroupState]] = (
     weakref.WeakKeyDictionary()

@@ -29,6 +29,8 @@ Python loop over beams or candidates (loops run over levels only).
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +71,12 @@ class SidCatalog:
         )
         self.keys = parents * vocab_size + tokens.long()  # [num_nodes - 1]
         self._starts = level_starts.tolist()
+        degrees = indptr.diff()
+        # Per level, its widest node's children: the rows' width at that level.
+        self._widths = [
+            int(degrees[a:b].max()) if b > a else 0
+            for a, b in zip(self._starts, self._starts[1:], strict=False)
+        ]
         assert bool((self.keys.diff() > 0).all()), "edges must be in trie order"
 
     # -- construction ----------------------------------------------------------
@@ -186,6 +194,10 @@ class SidCatalog:
 
     # -- batched lookups -------------------------------------------------------
 
+    def level_at(self, node: int) -> int:
+        """The level of one node id, on the host."""
+        return bisect.bisect_right(self._starts, node) - 1
+
     def level_of(self, nodes: torch.Tensor) -> torch.Tensor:
         """``[B]`` level (prefix length) of each node."""
         return torch.searchsorted(self.level_starts, nodes, right=True) - 1
@@ -194,7 +206,9 @@ class SidCatalog:
         """``[B]`` bool: the node completes an item."""
         return nodes >= self._starts[-2]
 
-    def legal(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def legal(
+        self, nodes: torch.Tensor, levels: Iterable[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each node's children: ``(tokens, children)``, both ``[B, M]`` int64.
 
         Row ``b`` lists node ``nodes[b]``'s allowed next tokens in ascending
@@ -202,18 +216,27 @@ class SidCatalog:
         (in both). ``M`` is at least the largest number of children among
         the nodes (a dense level's rows span its whole token range, holes
         included). A leaf's row is all -1. Nodes may be at mixed levels.
+
+        ``levels``: the levels the nodes lie at, known to the caller, so the
+        shapes are too and the host never waits for the device (``M`` is
+        then each level's widest node's; a row at another level is
+        unspecified). Without it they are read off the nodes.
         """
         nodes = self._check_nodes(nodes)
         level = self.level_of(nodes)
-        # Rows of each dense level present, and the CSR rows' child counts.
-        dense_rows = {d: (level == d).nonzero().squeeze(1) for d in self.dense}
-        dense_rows = {d: rows for d, rows in dense_rows.items() if len(rows)}
         starts = self.indptr[nodes]
         counts = self.indptr[nodes + 1] - starts
-        for rows in dense_rows.values():
-            counts[rows] = 0
-        csr_width = int(counts.max()) if len(nodes) else 0
-        width = max([csr_width, *(self.dense[d].table.shape[1] for d in dense_rows)])
+        if levels is None:  # read off the nodes: the host waits for them
+            dense = [d for d in self.dense if bool((level == d).any())]
+            counts = self._without(counts, level, dense)
+            csr_width = int(counts.max()) if len(nodes) else 0
+        else:
+            known = set(levels)
+            dense = [d for d in self.dense if d in known]
+            counts = self._without(counts, level, dense)
+            csr = [self._widths[d] for d in known - set(dense)]
+            csr_width = max(csr, default=0)
+        width = max([csr_width, *(self.dense[d].table.shape[1] for d in dense)])
         tokens = torch.full((len(nodes), width), -1, device=nodes.device)
         children = torch.full_like(tokens, -1)
         if csr_width:
@@ -223,17 +246,24 @@ class SidCatalog:
             edges = (starts[:, None] + slots).clamp_(max=len(self.tokens) - 1)
             tokens[:, :csr_width] = torch.where(used, self.tokens[edges].long(), -1)
             children[:, :csr_width] = torch.where(used, edges + 1, -1)
-        for d, rows in dense_rows.items():
-            dense = self.dense[d]
-            table = dense.table[nodes[rows] - self._starts[d]].long()  # [r, span]
-            span = table.shape[1]
-            span_tokens = torch.arange(span, device=nodes.device) + dense.base
+        for d in dense:
+            table = self.dense[d].table
+            local = (nodes - self._starts[d]).clamp_(0, len(table) - 1)
+            table, span = table[local].long(), table.shape[1]  # [B, span]
+            span_tokens = torch.arange(span, device=nodes.device) + self.dense[d].base
             span_tokens = torch.where(table >= 0, span_tokens, -1)
-            if len(rows) == len(nodes):  # one level: plain slices, no scatter
-                tokens[:, :span], children[:, :span] = span_tokens, table
-            else:
-                tokens[rows, :span], children[rows, :span] = span_tokens, table
+            at = (level == d)[:, None]  # masks, not row ids: no wait
+            tokens[:, :span] = torch.where(at, span_tokens, tokens[:, :span])
+            children[:, :span] = torch.where(at, table, children[:, :span])
         return tokens, children
+
+    @staticmethod
+    def _without(counts: torch.Tensor, level: torch.Tensor, dense: list[int]):
+        """``counts`` with the rows of the ``dense`` levels at 0 (their rows
+        come from the tables)."""
+        for d in dense:
+            counts = torch.where(level == d, 0, counts)
+        return counts
 
     def child(self, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``[K]`` child of ``nodes[k]`` by ``tokens[k]``; -1 outside the catalog."""

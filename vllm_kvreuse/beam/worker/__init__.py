@@ -1,8 +1,8 @@
 """A beam step next to the logits, in the workers (torch, runner-agnostic
 but for the runners' patches).
 
-- ``job.py``: a step's groups inside the sampler, selected as one batch; a
-  live group's beams as worker state across steps;
+- ``job.py``: a step's groups inside the sampler, selected as one batch;
+- ``state.py``: a live group's beams as worker state across steps;
 - ``select.py``: the groups' step on the logits' device: the next beams and
   which member carries each;
 - ``candidates.py``: the (beam, token) pairs that may be among a group's

@@ -39,12 +39,12 @@ from vllm_kvreuse.beam.worker.segments import (
     to_device,
 )
 from vllm_kvreuse.beam.worker.select import (
-    Rule,
     Selection,
     logprobs_of,
     select_catalog_rows,
     select_rows,
 )
+from vllm_kvreuse.beam.worker.state import GroupState
 
 BlockCopier = Callable[[torch.Tensor, torch.Tensor], None]
 """Copies KV blocks ``src[i]`` to ``dst[i]`` (scheduler block ids) in every layer."""
@@ -56,38 +56,6 @@ SCRATCH_BYTES = 64 << 20
 
 class BeamStepError(RuntimeError):
     """A scheduled group's rows are not all in the batch the sampler saw."""
-
-
-@dataclass(slots=True)
-class GroupState:
-    """A group's beams on a worker, ``[M]`` slots (one per member):
-    ``carriers[b]`` the member carrying beam ``b``, ``cum[b]`` its score,
-    ``nodes[b]`` its trie node; ``alive[b]``: slot ``b`` is a beam."""
-
-    rule: Rule
-    catalog: bool
-    carriers: torch.Tensor
-    cum: torch.Tensor
-    nodes: torch.Tensor | None
-    alive: torch.Tensor
-
-    @classmethod
-    def of(cls, step: GroupStep, device: torch.device) -> GroupState:
-        assert step.carriers is not None and step.cum_logprobs is not None
-        slots, beams = len(step.member_ids), len(step.carriers)
-        pad = slots - beams
-        nodes = None
-        if step.catalog:
-            assert step.nodes is not None
-            nodes = to_device([*step.nodes, *[0] * pad], device)
-        return cls(
-            rule=Rule(step.width, step.eos, step.row_size),
-            catalog=step.catalog,
-            carriers=to_device([*step.carriers, *[0] * pad], device),
-            cum=to_device([*step.cum_logprobs, *[0.0] * pad], device, torch.float64),
-            nodes=nodes,
-            alive=torch.arange(slots, device=device) < beams,
-        )
 
 
 @dataclass(slots=True)
@@ -267,7 +235,9 @@ class BeamJob:
 
     def _state_of(self, step: GroupStep, device: torch.device) -> GroupState:
         if step.kind != "step":
-            return GroupState.of(step, device)
+            catalog = self._catalog() if step.catalog and step.nodes else None
+            level = catalog.level_at(step.nodes[0]) if catalog and step.nodes else 0
+            return GroupState.of(step, device, level)
         if step.group_id not in self.states:
             raise BeamStepError(f"beam group {step.group_id}: no state here")
         return self.states[step.group_id]
@@ -283,7 +253,9 @@ class BeamJob:
         catalog = self._catalog()
         assert catalog is not None, "catalog group"
         at, device = nodes.to(catalog.device), logprobs.device
-        children, at_leaf = catalog.legal(at)[0].to(device), catalog.is_leaf(at)
+        levels = {state.level for state in batch.states}
+        children = catalog.legal(at, levels)[0].to(device)
+        at_leaf = catalog.is_leaf(at)
         return select_catalog_rows(
             logprobs, cum, seg, children, at_leaf.to(device), alive, order
         )
@@ -335,6 +307,7 @@ class BeamJob:
                 cum=sel.scores[out],
                 nodes=None if nodes is None else nodes[out],
                 alive=alive[out],
+                level=state.level + 1,
             )
 
 
