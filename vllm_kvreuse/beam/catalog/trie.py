@@ -258,7 +258,9 @@ class SidCatalog:
         return tokens, children
 
     @staticmethod
-    def _without(counts: torch.Tensor, level: torch.Tensor, dense: list[int]):
+    def _without(
+        counts: torch.Tensor, level: torch.Tensor, dense: list[int]
+    ) -> torch.Tensor:
         """``counts`` with the rows of the ``dense`` levels at 0 (their rows
         come from the tables)."""
         for d in dense:
