@@ -49,8 +49,8 @@ def test_held_waiting_requests_sit_out_and_come_back_first_in_their_order(
     assert holds.last_out == (["b", "d"], [])
     assert holds.summary() == {"first feature": 1, "second feature": 1}
     assert _ids(scheduler.waiting) == ["b", "d", "c"]
-    holds.release("b", "first feature")
-    holds.release_all("second feature")
+    holds.unhold("b", "first feature")
+    holds.unhold_all("second feature")
     assert not len(holds)
 
 
@@ -75,7 +75,7 @@ def test_a_held_running_request_keeps_its_seat_and_comes_back_at_the_head(
 def test_each_reason_releases_its_own_holds_and_the_summary_is_the_steps(
     make_scheduler: SchedulerFactory,
 ) -> None:
-    """``release_all`` gives up one reason's holds and no other's; a
+    """``unhold_all`` gives up one reason's holds and no other's; a
     request freed while held is no reason's any more; what the last
     ``schedule()`` kept out is read as it stood then, not as the holds
     changed since."""
@@ -88,15 +88,15 @@ def test_each_reason_releases_its_own_holds_and_the_summary_is_the_steps(
     holds.hold(requests["b"], "one")
     holds.hold(requests["c"], "two")
     step(scheduler)
-    holds.release_all("one")
+    holds.unhold_all("one")
     assert _ids(holds.held()) == ["a", "c"]
     assert holds.last_out == (["a", "b", "c"], [])
     assert holds.summary() == {"one": 2, "two": 2}
     scheduler.finish_requests("c", RequestStatus.FINISHED_ABORTED)
     holds.hold(requests["b"], "two")
-    holds.release_all("two")
-    assert not len(holds), "a reason's hold outlived release_all"
-    holds.release_all("one")  # nothing left: a no-op
+    holds.unhold_all("two")
+    assert not len(holds), "a reason's hold outlived unhold_all"
+    holds.unhold_all("one")  # nothing left: a no-op
     output, _ = step(scheduler)
     assert set(output.num_scheduled_tokens) == {"a", "b"}
 

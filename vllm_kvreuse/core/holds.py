@@ -6,7 +6,7 @@ a live beam member sits out while a sibling catches up
 (:mod:`vllm_kvreuse.beam.scheduler.live`), a chunked request in paths mode
 waits for its paths' scores (:mod:`vllm_kvreuse.chunk_cache.paths.voting`).
 A feature asks for it by reason, :meth:`Holds.hold`, and gives it up,
-:meth:`Holds.release`; it never touches vLLM's queues itself.
+:meth:`Holds.unhold`; it never touches vLLM's queues itself.
 
 :class:`Holds` applies what is held around each upstream ``schedule()``, as
 vLLM's own scheduler skips requests blocked on remote KV or a grammar
@@ -78,7 +78,7 @@ class Holds:
 
     def hold(self, request: Request, reason: str) -> bool:
         """Keeps ``request`` out of upstream's scheduling for ``reason``
-        until :meth:`release`; False (nothing held) for a finished one."""
+        until :meth:`unhold`; False (nothing held) for a finished one."""
         if request.is_finished():
             return False
         held = self._held.get(request.request_id)
@@ -91,7 +91,7 @@ class Holds:
         self._of_reason.setdefault(reason, set()).add(request.request_id)
         return True
 
-    def release(self, request_id: str, reason: str) -> None:
+    def unhold(self, request_id: str, reason: str) -> None:
         """Gives up ``reason``'s hold on ``request_id``; held for no reason
         left, it is scheduled again from the next step."""
         held = self._held.get(request_id)
@@ -103,10 +103,10 @@ class Holds:
             else:
                 del self._held[request_id]
 
-    def release_all(self, reason: str) -> None:
+    def unhold_all(self, reason: str) -> None:
         """Gives up every hold for ``reason`` (its own ids, not every hold)."""
         for request_id in list(self._of_reason.get(reason, ())):
-            self.release(request_id, reason)
+            self.unhold(request_id, reason)
 
     def held(self, reason: str | None = None) -> list[Request]:
         """The requests held for ``reason`` (None: for any), in the order

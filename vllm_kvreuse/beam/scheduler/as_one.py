@@ -128,7 +128,7 @@ class OneRequestSteps:
             group.as_one = False
             group.tables = group.held = group.private = None
             for request_id in group.members:
-                self.core.holds.release(request_id, REASON)
+                self.core.holds.unhold(request_id, REASON)
 
     # -- its steps, as back-pointers (:mod:`.lineage`) -----------------------------
 

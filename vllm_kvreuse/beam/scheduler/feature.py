@@ -149,8 +149,8 @@ class EngineBeamSearch(Feature):
             self.live_steps.hold(g for g in self.groups.live() if not g.as_one)
 
     def after_schedule(self, output: SchedulerOutput) -> None:
-        self.gate.release()
-        self.live_steps.release()
+        self.gate.unhold()
+        self.live_steps.unhold()
         ended = self.groups.take_ended()
         steps = [GroupStep(root_id, "end", []) for root_id in ended]
         if self.groups:

@@ -36,19 +36,19 @@ REASON = "beam step does not fit"
 
 class Gate:
     """Holds the waiting members of steps that do not fit for one
-    ``schedule()``: :meth:`hold` before it, :meth:`release` after it."""
+    ``schedule()``: :meth:`hold` before it, :meth:`unhold` after it."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
 
     def hold(self, groups: GroupTable) -> None:
         holds = self.core.holds
-        holds.release_all(REASON)
+        holds.unhold_all(REASON)
         for request in steps_that_do_not_fit(self.core.upstream, groups, groups.get):
             holds.hold(request, REASON)
 
-    def release(self) -> None:
-        self.core.holds.release_all(REASON)
+    def unhold(self) -> None:
+        self.core.holds.unhold_all(REASON)
 
 
 def steps_that_do_not_fit(

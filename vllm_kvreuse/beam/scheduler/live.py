@@ -84,7 +84,7 @@ class LiveSteps:
     follow.
 
     Live-step state, changed only here: ``held``, the running members held
-    out of one ``schedule()`` (:meth:`hold` before it, :meth:`release` after
+    out of one ``schedule()`` (:meth:`hold` before it, :meth:`unhold` after
     it); ``sat_out``, the ids the last ``schedule()`` held (:meth:`stalled`
     reads them under memory pressure); ``outside_now``, the members whose
     sample in the output being read was made outside a group step
@@ -108,17 +108,17 @@ class LiveSteps:
         ``schedule()``, seats and all (:func:`to_hold`; ``core.holds``
         takes them out of the running queue)."""
         holds = self.core.holds
-        holds.release_all(REASON)
+        holds.unhold_all(REASON)
         self.held = to_hold(self.core.upstream, groups)
         for request in self.held:
             holds.hold(request, REASON)
 
-    def release(self) -> None:
+    def unhold(self) -> None:
         """After the ``schedule()``: the held members run again from the
         next one (``core.holds`` has put them back at the head)."""
         self.sat_out = {r.request_id for r in self.held}
         self.held = []
-        self.core.holds.release_all(REASON)
+        self.core.holds.unhold_all(REASON)
 
     def plan(
         self, groups: Iterable[BeamGroup], output: SchedulerOutput

@@ -132,12 +132,12 @@ class Voting:
         """``request_id`` finished, or gave up its paths: its scoring
         requests still running are aborted, and it is held no more."""
         self.core.abort(self.ballots.close(request_id))
-        self.core.holds.release(request_id, REASON)
+        self.core.holds.unhold(request_id, REASON)
 
     def _decide(self, ballot: Ballot) -> None:
         request = ballot.request
         self.ballots.close(request.request_id)
-        self.core.holds.release(request.request_id, REASON)
+        self.core.holds.unhold(request.request_id, REASON)
         kept = ballot.kept()
         tokens, lengths = ballot.layout.prompt(kept)
         # From here the request is the chunked request of its kept documents
