@@ -87,6 +87,32 @@ def test_members_are_rows_upstream_never_walks(make_scheduler) -> None:
     assert num_free_blocks(scheduler) == free
 
 
+def test_members_whose_blocks_cover_the_search_reserve_nothing(
+    make_scheduler,
+) -> None:
+    """Reserving asks upstream's allocator once a member. A search that ends
+    in the block its members start in (40 + 6 tokens: 2 blocks) asks none; one
+    that crosses into a new block (40 + 30: 3 blocks) asks for each member.
+    Both are stepped as one, with the host rule's beams, and give every
+    block back."""
+    for max_tokens, num_calls in ((6, 0), (30, 4)):
+        scheduler = make_scheduler()
+        free = num_free_blocks(scheduler)
+        upstream, asked = scheduler.kvreuse.upstream, []
+        reserve = upstream.reserve
+
+        def counted(request, num_tokens, reserve=reserve, asked=asked):
+            asked.append(request.request_id)
+            return reserve(request, num_tokens)
+
+        upstream.reserve = counted
+        beams, _, members, as_one = search(scheduler, 4, max_tokens)
+        assert beams == expected(4, max_tokens)
+        assert as_one
+        assert sorted(asked) == sorted(members[:num_calls])
+        assert num_free_blocks(scheduler) == free
+
+
 def test_the_last_step_names_no_blocks_to_copy(make_scheduler) -> None:
     """A step names each member's private blocks, for the workers to copy a
     moved beam's parent's; the last step's beams are final (no member

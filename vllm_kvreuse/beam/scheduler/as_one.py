@@ -24,6 +24,7 @@ by member path of :mod:`.live` and :mod:`.sit_out`: same steps, same beams.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -81,16 +82,17 @@ class OneRequestSteps:
             return
         upstream = self.core.upstream
         end = -(-remaining // upstream.block_size)
-        needed = sum(
-            end - len(table)
+        missing = [
+            sum(max(0, end - len(t)) for t in upstream.blocks_of(member.request_id))
             for member in members
-            for table in upstream.blocks_of(member.request_id)
-        )
+        ]
         # All or nothing: the workers learn a block from the row that first
         # uses it, and upstream's path would never send a reserved one.
-        if needed > upstream.num_free_blocks():
+        if sum(missing) > upstream.num_free_blocks():
             return
-        for member in members:
+        # A member whose blocks cover every position left has nothing to
+        # reserve (a search that ends in the block it starts in: no call).
+        for member in itertools.compress(members, missing):
             ids = upstream.reserve(member, num_tokens)
             if ids is None:
                 raise RuntimeError("free blocks counted for a beam group vanished")
