@@ -16,6 +16,8 @@ same engine (what a user compares a beam search with) and prints beams / n.
 ``--searches K`` runs K searches (and K samplings) at once, each on its own
 prompt: ``--searches 16 --widths 50`` is 16 concurrent searches of width 50.
 ``--step-times`` prints each engine step's wall time of one more search.
+``--gc`` prints the time Python's collector took during the timed searches
+(``gc.callbacks``), per search.
 
 ``--compare`` also times, in the same engine, the previous design of engine
 beam search (a new one-token request per beam per step, which the engine
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import random
@@ -67,6 +70,11 @@ def main() -> None:
         "--step-times",
         action="store_true",
         help="print each engine step's wall time in the last timed search",
+    )
+    parser.add_argument(
+        "--gc",
+        action="store_true",
+        help="print the garbage collector's time per timed search",
     )
     parser.add_argument(
         "--compare",
@@ -147,11 +155,16 @@ def main() -> None:
         else:
             vars(beam).pop("_can_live", None)
 
+    collector = Collector()
     for width in args.widths:
         search(width)  # warm-up
+        collector.start(args.gc)
         times = [search(width) for _ in range(args.repeats)]
+        gc_ms = collector.stop() / args.repeats
         live = statistics.median(times)
         line = f"width {width}: {live * 1e3:.0f} ms (median)"
+        if args.gc:
+            line += f"; collector {gc_ms:.1f} ms a search"
         if args.compare and beam is not None:
             per_step(True)
             search(width)
@@ -160,8 +173,13 @@ def main() -> None:
             line += f"; per-step members {old * 1e3:.0f} ms; {old / live:.2f}x"
         if args.sampling:
             sample(width)  # warm-up
-            n = statistics.median(sample(width) for _ in range(args.repeats))
-            line += f"; n = {width} sampling {n * 1e3:.0f} ms; beams / n {live / n:.2f}"
+            collector.start(args.gc)
+            n = statistics.median([sample(width) for _ in range(args.repeats)])
+            gc_ms = collector.stop() / args.repeats
+            line += f"; n = {width} sampling {n * 1e3:.0f} ms"
+            if args.gc:
+                line += f" (collector {gc_ms:.1f} ms)"
+            line += f"; beams / n {live / n:.2f}"
         print(line)
         if args.step_times:
             search(width)
@@ -177,6 +195,31 @@ def main() -> None:
     stats = pstats.Stats(profile)
     stats.sort_stats("cumulative").print_stats(args.top)
     stats.sort_stats("tottime").print_stats(args.top)
+
+
+class Collector:
+    """Times Python's garbage collections while started."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._began = 0.0
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._began) * 1e3
+
+    def start(self, on: bool) -> None:
+        self.ms = 0.0
+        if on:
+            gc.callbacks.append(self._on)
+
+    def stop(self) -> float:
+        """The collections' milliseconds since :meth:`start`."""
+        if self._on in gc.callbacks:
+            gc.callbacks.remove(self._on)
+        return self.ms
 
 
 if __name__ == "__main__":
