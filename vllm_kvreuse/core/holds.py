@@ -39,6 +39,7 @@ which nothing else calls (``tests/unit/test_holds.py``).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -85,7 +86,7 @@ class Holds:
         if held is None or held[0] is not request:
             if held is not None:  # another request under the same id
                 self._unindex(request.request_id, held[1])
-            self._held[request.request_id] = (request, frozenset((reason,)))
+            self._held[request.request_id] = (request, _only(reason))
         elif reason not in held[1]:
             self._held[request.request_id] = (request, held[1] | {reason})
         self._of_reason.setdefault(reason, set()).add(request.request_id)
@@ -164,3 +165,10 @@ class Holds:
                 for reason in held[request.request_id][1]
             )
         )
+
+
+@functools.cache
+def _only(reason: str) -> frozenset[str]:
+    """The reasons of a request held for ``reason`` alone: one object per
+    reason (a beam group's hundreds of members share it)."""
+    return frozenset((reason,))

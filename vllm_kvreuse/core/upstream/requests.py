@@ -14,6 +14,7 @@ cuts the hashes) before it returns.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -216,6 +217,7 @@ def share_block_hashes(
     request.update_block_hashes()
 
 
+@functools.cache  # one per size: a wide beam group's members share it
 def _private_hasher(hash_block_size: int) -> Callable[[Request], list[Any]]:
     def hasher(request: Request) -> list[Any]:
         """Random hashes for the request's full blocks that have none yet."""
