@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import num_free_blocks
@@ -140,13 +141,36 @@ def test_a_pool_too_small_to_reserve_goes_member_by_member(make_scheduler) -> No
     assert not any(rows)
 
 
+@pytest.mark.parametrize("preempt_at", [1, 2, 3])
 def test_a_preempted_member_takes_its_group_back_to_upstreams_loop(
-    make_scheduler,
+    make_scheduler, preempt_at: int
 ) -> None:
+    """Preempted right after the members' first step (upstream's) is
+    scheduled, after the first step stepped as one, or a step later: the
+    beams built from the back-pointers are the host rule's."""
     scheduler = make_scheduler()
     free = num_free_blocks(scheduler)
-    beams, rows, _, as_one = search(scheduler, width=4, max_tokens=8, preempt_at=3)
+    beams, rows, _, as_one = search(
+        scheduler, width=4, max_tokens=8, preempt_at=preempt_at
+    )
     assert beams == expected(4, 8)
-    assert rows[3] and not any(rows[5:])  # stepped as one, then member by member
+    assert rows[preempt_at] or preempt_at == 1  # stepped as one, then not
+    assert not any(rows[preempt_at + 2 :])
     assert not as_one
     assert num_free_blocks(scheduler) == free
+
+
+def test_the_members_first_step_is_kept_as_back_pointers(make_scheduler) -> None:
+    """The members' first step (upstream ran its rows) is recorded as the
+    group's first back-pointers: no beam sequence is built for it."""
+    scheduler = make_scheduler()
+    feature = scheduler.feature("beam")
+    scheduler.add_request(root(4, 6))
+    for _ in range(2):  # the root's prefill, the members' first step
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, model_output(scheduler, output))
+    (group,) = feature.groups
+    assert group.as_one and group.step == 2
+    assert group.lineage is not None and group.lineage.num_steps == 1
+    # The beams are still the root step's: one token past the prompt.
+    assert {len(beam.seq.tokens) for beam in group.beams} == {len(PROMPT) + 1}

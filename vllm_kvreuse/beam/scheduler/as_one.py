@@ -14,7 +14,8 @@ after each ``schedule()`` the group's whole step is added to the output
 as extra rows (:mod:`vllm_kvreuse.core.upstream.extra_rows`), its token
 budget borrowed before it. Upstream's update never walks them; the
 workers apply the step (:mod:`~vllm_kvreuse.beam.worker.job`) and the
-feature follows as for any live step (:meth:`.live.LiveSteps.apply`).
+feature keeps its back-pointers (:mod:`.lineage`), from the members' first
+step on (upstream's: it appended their tokens, superseded when read).
 
 A group that cannot be reserved whole (the pool, the token budget,
 pipeline parallelism), or one whose member upstream preempts (a cache
@@ -136,10 +137,10 @@ class OneRequestSteps:
 
     @staticmethod
     def follows_lazily(group: BeamGroup) -> bool:
-        """Whether the group's next result is kept as back-pointers: its
-        steps after the members' first (which upstream ran) while stepped
-        as one."""
-        return group.as_one and group.step >= 2
+        """Whether the group's next result is kept as back-pointers: every
+        member step while stepped as one, the members' first (which
+        upstream ran) included."""
+        return group.as_one and group.step >= 1
 
     def advance(
         self, group: BeamGroup, result: GroupResult
@@ -148,10 +149,12 @@ class OneRequestSteps:
         members): records it; returns the final beams if the group ends."""
         lineage = group.lineage
         if lineage is None:
+            # Members begin with no output (their beam's tokens are their
+            # prompt); from a later step, upstream holds each one's tokens
+            # up to the step it last ran.
             first = self.core.upstream.requests[group.members[0]]
-            lineage = group.lineage = Lineage.begin(
-                group.beams, first.num_output_tokens
-            )
+            outputs = 0 if group.step == 1 else first.num_output_tokens
+            lineage = group.lineage = Lineage.begin(group.beams, outputs)
         if group.step + 1 < group.config.max_tokens:  # the last copies nothing
             self._count_moves(group, lineage, result)
         nodes = group.rule.next_nodes(lineage.nodes, result.parents, result.tokens)

@@ -287,6 +287,10 @@ class EngineBeamSearch(Feature):
         config, result = group.config, group.result
         group.result = None
         if result is not None and self.as_one.follows_lazily(group):
+            # The previous step's beams have been forked from (the root's
+            # held KV, after the members' first step).
+            self.groups.free_held(group.previous)
+            group.previous = []
             final = self.as_one.advance(group, result)
             if final is not None:
                 self._emit(group, FinishReason.STOP, final)
