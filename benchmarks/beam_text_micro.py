@@ -22,25 +22,11 @@ import random
 import statistics
 import time
 
-from vllm import CompletionOutput, RequestOutput
 from vllm.sampling_params import BeamSearchParams
 from vllm.tokenizers import get_tokenizer
 
 from vllm_kvreuse.beam.answers import offline_beam_output
-from vllm_kvreuse.beam.result import BeamOut, BeamResult, encode
-
-
-def final_output(prompt: list[int], beams: list[list[int]]) -> RequestOutput:
-    """A root's final output carrying ``beams`` (as the engine sends it)."""
-    result = BeamResult([BeamOut(b, -1.0, "length") for b in beams])
-    out = CompletionOutput(
-        index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
-        finish_reason="length", stop_reason=encode(result),
-    )  # fmt: skip
-    return RequestOutput(
-        request_id="root", prompt=None, prompt_token_ids=prompt,
-        prompt_logprobs=None, outputs=[out], finished=True,
-    )  # fmt: skip
+from vllm_kvreuse.testing.beam_outputs import root_output
 
 
 def main() -> None:
@@ -64,7 +50,7 @@ def main() -> None:
             [rng.randrange(vocab) for _ in range(args.max_tokens)]
             for _ in range(args.width)
         ]
-        searches.append((prompt, beams, final_output(prompt, beams)))
+        searches.append((prompt, beams, root_output(prompt, beams)))
 
     def vllms() -> list[str]:
         return [

@@ -7,31 +7,16 @@ import random
 from typing import Any
 
 import pytest
-from vllm import CompletionOutput, RequestOutput
 from vllm.sampling_params import BeamSearchParams
 from vllm.tokenizers import get_tokenizer
 
 from vllm_kvreuse.beam.answers import offline_beam_output
-from vllm_kvreuse.beam.result import BeamOut, BeamResult, encode
+from vllm_kvreuse.testing.beam_outputs import root_output
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir: str) -> Any:
     return get_tokenizer(smollm2_dir)
-
-
-def final_output(prompt_ids: list[int], beams: list[list[int]]) -> RequestOutput:
-    result = BeamResult(
-        beams=[BeamOut(tokens, -1.0 - i, "length") for i, tokens in enumerate(beams)]
-    )
-    out = CompletionOutput(
-        index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
-        finish_reason="stop", stop_reason=encode(result),
-    )  # fmt: skip
-    return RequestOutput(
-        request_id="root", prompt=None, prompt_token_ids=prompt_ids,
-        prompt_logprobs=None, outputs=[out], finished=True,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
@@ -51,7 +36,7 @@ def test_each_beam_text_is_the_decode_of_prompt_and_beam(
         beam_width=12, max_tokens=4, skip_special_tokens=skip_special_tokens
     )
 
-    got = offline_beam_output(final_output(prompt, beams), {}, params, tokenizer)
+    got = offline_beam_output(root_output(prompt, beams), {}, params, tokenizer)
 
     assert [seq.tokens for seq in got.sequences] == [prompt + b for b in beams]
     want = [

@@ -14,6 +14,7 @@
 - ``reference.py``: the chunk cache's references: masks and segmented KV;
 - ``catalog_reference.py``: the dense catalog-constrained beam step;
 - ``beam_reference.py``: one beam step by brute force over whole rows;
+- ``beam_outputs.py``: a beam search's root output as the engine sends it;
 - ``row_passes.py``: the operations that pass over whole logits rows, and
   their bytes;
 - ``fake_worker.py``: a stand-in model runner for scheduler-level tests
