@@ -13,6 +13,7 @@ from vllm.platforms import current_platform
 
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
+from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
 
 pytestmark = pytest.mark.e2e
 
@@ -43,20 +44,19 @@ def servers(
     """A plain server and a chunk-cache server of the same model and dtype."""
     logs = tmp_path_factory.mktemp("chunks")
     dtype = ("--dtype", request.param)  # after the settings' own --dtype: wins
-    plain = Server(
-        model_dir, *dtype, log_path=logs / "plain.log", block_size=BLOCK_SIZE
-    )
-    try:
-        chunked = Server(
-            model_dir, "--enable-chunk-cache", *dtype, log_path=logs / "chunked.log",
-            block_size=BLOCK_SIZE, env={"VLLM_PLUGINS": "kvreuse"},
-        )  # fmt: skip
-    except Exception:
-        plain.close()
-        raise
-    yield plain, chunked
-    chunked.close()
-    plain.close()
+    started = start_servers(
+        [
+            ServerSpec("plain", model_dir, dtype),
+            ServerSpec(
+                "chunked", model_dir, ["--enable-chunk-cache", *dtype],
+                env={"VLLM_PLUGINS": "kvreuse"},
+            ),
+        ],
+        logs,
+    )  # fmt: skip
+    yield started["plain"], started["chunked"]
+    for server in started.values():
+        server.close()
 
 
 def complete(server: Server, **body) -> httpx.Response:

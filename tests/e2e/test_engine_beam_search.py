@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
+from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
 
 pytestmark = pytest.mark.e2e
 
@@ -18,21 +18,18 @@ pytestmark = pytest.mark.e2e
 def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
     logs = tmp_path_factory.mktemp("beam")
     common = ["--max-logprobs", "32"]
-    reference = Server(
-        model_dir, *common, log_path=logs / "frontend.log", block_size=BLOCK_SIZE
+    engine_flags = ["--engine-beam-search", "--enable-continuation",
+                    "--retain-kv-ttl", "2", "--max-num-seqs", "16"]  # fmt: skip
+    started = start_servers(
+        [
+            ServerSpec("frontend", model_dir, common),
+            ServerSpec("engine", model_dir, [*common, *engine_flags]),
+        ],
+        logs,
     )
-    try:
-        engine = Server(
-            model_dir, *common, "--engine-beam-search", "--enable-continuation",
-            "--retain-kv-ttl", "2", "--max-num-seqs", "16",
-            log_path=logs / "engine.log", block_size=BLOCK_SIZE,
-        )  # fmt: skip
-    except Exception:
-        reference.close()
-        raise
-    yield reference, engine
-    engine.close()
-    reference.close()
+    yield started["frontend"], started["engine"]
+    for server in started.values():
+        server.close()
 
 
 def beams(server: Server, prompt: list[int], width: int, max_tokens: int = 3) -> dict:

@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
 from tests.e2e.test_connector_server import example_connector
 from vllm_kvreuse.testing.router import ROUTER, Router
+from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
 
 pytestmark = [
     pytest.mark.e2e,
@@ -48,24 +48,17 @@ def storage(tmp_path_factory) -> Path:
 def servers(model_dir: str, storage: Path, tmp_path_factory) -> Iterator[tuple]:
     """(prefill, decode)."""
     logs = tmp_path_factory.mktemp("pd-logs")
-    prefill = Server(
-        model_dir,
-        "--kv-transfer-config", example_connector(str(storage), "kv_producer"),
-        log_path=logs / "prefill.log", block_size=BLOCK_SIZE,
-    )  # fmt: skip
-    try:
-        decode = Server(
-            model_dir,
-            "--kv-transfer-config", example_connector(str(storage), "kv_consumer"),
-            "--global-cache-hit-threshold", "0.9",
-            log_path=logs / "decode.log", block_size=BLOCK_SIZE,
-        )  # fmt: skip
-    except Exception:
-        prefill.close()
-        raise
-    yield prefill, decode
-    decode.close()
-    prefill.close()
+    producer = ["--kv-transfer-config", example_connector(str(storage), "kv_producer")]
+    consumer = ["--kv-transfer-config", example_connector(str(storage), "kv_consumer"),
+                "--global-cache-hit-threshold", "0.9"]  # fmt: skip
+    specs = [
+        ServerSpec("prefill", model_dir, producer),
+        ServerSpec("decode", model_dir, consumer),
+    ]
+    started = start_servers(specs, logs)
+    yield started["prefill"], started["decode"]
+    for server in started.values():
+        server.close()
 
 
 def fresh_prompt() -> str:

@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import BLOCK_SIZE, ROOT
+from tests.conftest import ROOT
 from tests.e2e.conftest import SERVED_MODEL, Server
+from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
 
 pytestmark = [
     pytest.mark.e2e,
@@ -48,19 +49,18 @@ def servers(smollm2_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server
     """A plain server and a chunk-cache server (with the separator, chat
     templates from requests for ``documents``, and continuations)."""
     logs = tmp_path_factory.mktemp("rag")
-    plain = Server(smollm2_dir, log_path=logs / "plain.log", block_size=BLOCK_SIZE)
-    try:
-        chunked = Server(
-            smollm2_dir, "--enable-chunk-cache", "--chunk-separator", SEP,
-            "--enable-continuation", "--trust-request-chat-template",
-            log_path=logs / "chunked.log", block_size=BLOCK_SIZE,
-        )  # fmt: skip
-    except Exception:
-        plain.close()
-        raise
-    yield plain, chunked
-    chunked.close()
-    plain.close()
+    chunk_flags = [
+        *("--enable-chunk-cache", "--chunk-separator", SEP),
+        *("--enable-continuation", "--trust-request-chat-template"),
+    ]
+    specs = [
+        ServerSpec("plain", smollm2_dir),
+        ServerSpec("chunked", smollm2_dir, chunk_flags),
+    ]
+    started = start_servers(specs, logs)
+    yield started["plain"], started["chunked"]
+    for server in started.values():
+        server.close()
 
 
 @pytest.fixture(scope="module")
