@@ -47,6 +47,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="bfloat16 on a GPU")
+    parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="the engine's KV cache (default: vLLM's sizing, on a CPU most of "
+        "the memory, which takes about 20 s to allocate)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--searches",
@@ -96,6 +103,7 @@ def main() -> None:
         max_num_seqs=max(256, *(w * args.searches for w in args.widths)),
         max_num_batched_tokens=max(8192, *(w * args.searches for w in args.widths)),
         engine_beam_search=not args.plain,
+        kv_cache_memory_bytes=args.kv_cache_mib and args.kv_cache_mib << 20,
     )  # fmt: skip
     beam = None
     if not args.plain:

@@ -134,7 +134,7 @@ DRY_SIZES = Sizes(
         ),
         profile=(
             "--top 0 --widths 4 --searches 2 --repeats 1 --ignore-eos --step-times "
-            "--prompt-tokens 64"
+            "--prompt-tokens 64 --kv-cache-mib 64"
         ),
         select="--device cpu --groups 2 --width 4 --vocab 4096 --repeats 2",
     ),
