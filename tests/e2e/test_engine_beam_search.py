@@ -11,7 +11,14 @@ import pytest
 from tests.e2e.conftest import SERVED_MODEL, Server
 from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.v1_only(
+        "CI time: two servers; the V2 tier runs engine beams against vLLM's loop "
+        "and an aborted search in tests/integration/test_beam_search_engine.py, "
+        "and behind vllm serve in test_catalog_server.py"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -176,3 +176,32 @@ def test_a_step_of_beams_alone_draws_nothing(
     assert draws == []
     for want, have in zip(expected, got, strict=True):
         assert_same_ranking(want, have)
+
+
+def test_an_aborted_search_frees_its_whole_group(llm: LLM) -> None:
+    """A search aborted while its members run (its client gone: the root's
+    id, as a client aborts) ends every member and frees their blocks and
+    the root's (the leak checks after the test); the engine serves on."""
+    from vllm.inputs import TokensPrompt
+
+    from vllm_kvreuse.beam.frontend import root_sampling_params
+
+    scheduler = scheduler_of(llm)
+    params = BeamSearchParams(beam_width=4, max_tokens=60, ignore_eos=True)
+    prompt = TokensPrompt(
+        prompt_token_ids=prompts(1, first_seed=7)[0]["prompt_token_ids"]
+    )
+    llm.llm_engine.add_request(
+        "abort-search", prompt, root_sampling_params(params, None)
+    )
+    for _ in range(6):  # the root's prefill, the members' first steps, a few more
+        llm.llm_engine.step()
+    # The root has finished its step; its group's 4 members run.
+    assert len(scheduler.requests) == 4, "the members should be running"
+    llm.llm_engine.abort_request(["abort-search"])
+    for _ in range(5):
+        llm.llm_engine.step()
+    assert not scheduler.requests, "members of an aborted search kept"
+    assert not llm.llm_engine.has_unfinished_requests()
+    (ok,) = llm.beam_search(prompts(1), BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(ok.sequences) == 2
