@@ -275,7 +275,10 @@ class Plan:
 
     def roles(self) -> dict[str, tuple[str, list[str]]]:
         """Role -> (model, plugin flags). Roles with the same model and
-        flags share a server (the dry run's plain servers)."""
+        flags share a server: the dry run's plain servers, and its chunk
+        cache and continuation servers (one server with both features, whose
+        requests each ask for one; on a CPU each server start costs about
+        25 s of the test suite's two cores)."""
         fraction = ["--chunk-cache-device-fraction", f"{self.store_fraction:.3f}"]
         retain = ["--enable-continuation", "--retain-kv-max-fraction", "0.25"]
         catalog = [
@@ -284,11 +287,15 @@ class Plan:
             "--logprobs-mode",
             "processed_logprobs",
         ]
+        chunk = ["--enable-chunk-cache", *fraction]
+        continuation = retain
+        if self.dry_run:
+            chunk = continuation = [*chunk, *retain]
         return {
             "rag_plain": (self.rag_model, []),
-            "rag_chunk": (self.rag_model, ["--enable-chunk-cache", *fraction]),
+            "rag_chunk": (self.rag_model, chunk),
             "plain": (self.beam_model, []),
-            "continuation": (self.beam_model, retain),
+            "continuation": (self.beam_model, continuation),
             "engine": (self.beam_model, ["--engine-beam-search", *retain]),
             "catalog": (self.beam_model, ["--engine-beam-search", *catalog]),
         }
