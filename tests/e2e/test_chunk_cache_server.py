@@ -13,7 +13,7 @@ from vllm.platforms import current_platform
 
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
-from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
+from vllm_kvreuse.testing.server_group import ServerSpec, started_together
 
 pytestmark = pytest.mark.e2e
 
@@ -44,19 +44,15 @@ def servers(
     """A plain server and a chunk-cache server of the same model and dtype."""
     logs = tmp_path_factory.mktemp("chunks")
     dtype = ("--dtype", request.param)  # after the settings' own --dtype: wins
-    started = start_servers(
-        [
-            ServerSpec("plain", model_dir, dtype),
-            ServerSpec(
-                "chunked", model_dir, ["--enable-chunk-cache", *dtype],
-                env={"VLLM_PLUGINS": "kvreuse"},
-            ),
-        ],
-        logs,
-    )  # fmt: skip
-    yield started["plain"], started["chunked"]
-    for server in started.values():
-        server.close()
+    specs = [
+        ServerSpec("plain", model_dir, dtype),
+        ServerSpec(
+            "chunked", model_dir, ["--enable-chunk-cache", *dtype],
+            env={"VLLM_PLUGINS": "kvreuse"},
+        ),
+    ]  # fmt: skip
+    with started_together(specs, logs) as (plain, chunked):
+        yield plain, chunked
 
 
 def complete(server: Server, **body) -> httpx.Response:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import SERVED_MODEL, Server
-from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
+from vllm_kvreuse.testing.server_group import ServerSpec, started_together
 
 pytestmark = [
     pytest.mark.e2e,
@@ -27,16 +27,12 @@ def servers(model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server]]
     common = ["--max-logprobs", "32"]
     engine_flags = ["--engine-beam-search", "--enable-continuation",
                     "--retain-kv-ttl", "2", "--max-num-seqs", "16"]  # fmt: skip
-    started = start_servers(
-        [
-            ServerSpec("frontend", model_dir, common),
-            ServerSpec("engine", model_dir, [*common, *engine_flags]),
-        ],
-        logs,
-    )
-    yield started["frontend"], started["engine"]
-    for server in started.values():
-        server.close()
+    specs = [
+        ServerSpec("frontend", model_dir, common),
+        ServerSpec("engine", model_dir, [*common, *engine_flags]),
+    ]
+    with started_together(specs, logs) as (frontend, engine):
+        yield frontend, engine
 
 
 def beams(server: Server, prompt: list[int], width: int, max_tokens: int = 3) -> dict:

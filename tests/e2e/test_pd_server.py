@@ -22,7 +22,7 @@ import pytest
 from tests.e2e.conftest import SERVED_MODEL, Server
 from tests.e2e.test_connector_server import example_connector
 from vllm_kvreuse.testing.router import ROUTER, Router
-from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
+from vllm_kvreuse.testing.server_group import ServerSpec, started_together
 
 pytestmark = [
     pytest.mark.e2e,
@@ -55,10 +55,8 @@ def servers(model_dir: str, storage: Path, tmp_path_factory) -> Iterator[tuple]:
         ServerSpec("prefill", model_dir, producer),
         ServerSpec("decode", model_dir, consumer),
     ]
-    started = start_servers(specs, logs)
-    yield started["prefill"], started["decode"]
-    for server in started.values():
-        server.close()
+    with started_together(specs, logs) as (prefill, decode):
+        yield prefill, decode
 
 
 def fresh_prompt() -> str:

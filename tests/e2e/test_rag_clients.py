@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e.conftest import SERVED_MODEL, Server
-from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
+from vllm_kvreuse.testing.server_group import ServerSpec, started_together
 
 pytestmark = [
     pytest.mark.e2e,
@@ -57,10 +57,8 @@ def servers(smollm2_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Server
         ServerSpec("plain", smollm2_dir),
         ServerSpec("chunked", smollm2_dir, chunk_flags),
     ]
-    started = start_servers(specs, logs)
-    yield started["plain"], started["chunked"]
-    for server in started.values():
-        server.close()
+    with started_together(specs, logs) as (plain, chunked):
+        yield plain, chunked
 
 
 @pytest.fixture(scope="module")

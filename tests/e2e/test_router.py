@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import SERVED_MODEL, Server
 from vllm_kvreuse.testing.router import ROUTER, Router
-from vllm_kvreuse.testing.server_group import ServerSpec, start_servers
+from vllm_kvreuse.testing.server_group import ServerSpec, started_together
 from vllm_kvreuse.testing.valkey import ValkeyServer
 
 pytestmark = [
@@ -63,10 +63,8 @@ def servers(
     logs = tmp_path_factory.mktemp("router")
     args = [*EVERY_FEATURE, "--chunk-cache-remote-url", store.url]
     specs = [ServerSpec(name, model_dir, args, block_size=BLOCK_SIZE) for name in "ab"]
-    started = start_servers(specs, logs, ready_timeout=300)
-    yield started["a"], started["b"]
-    for server in started.values():
-        server.close()
+    with started_together(specs, logs, ready_timeout=300) as (a, b):
+        yield a, b
 
 
 def start_router(servers: tuple[Server, Server], policy: str, tmp_path_factory):

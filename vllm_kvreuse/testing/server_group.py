@@ -22,8 +22,9 @@ would have cost more than it saved.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +104,20 @@ def start_servers(
             server.close()
         raise
     return {s.name: group.servers[s.name] for s in specs if s.name in group.servers}
+
+
+@contextlib.contextmanager
+def started_together(
+    specs: Sequence[ServerSpec], log_dir: Path, ready_timeout: float = 600
+) -> Iterator[tuple[Server, ...]]:
+    """:func:`start_servers` as a context: the servers in ``specs``' order,
+    all closed on leaving it."""
+    started = start_servers(specs, log_dir, ready_timeout)
+    try:
+        yield tuple(started[spec.name] for spec in specs)
+    finally:
+        for server in started.values():
+            server.close()
 
 
 class _Group:
