@@ -276,9 +276,10 @@ class Plan:
     def roles(self) -> dict[str, tuple[str, list[str]]]:
         """Role -> (model, plugin flags). Roles with the same model and
         flags share a server: the dry run's plain servers, and its chunk
-        cache and continuation servers (one server with both features, whose
-        requests each ask for one; on a CPU each server start costs about
-        25 s of the test suite's two cores)."""
+        cache, continuation and engine beam servers (one server with the
+        three features, as the soak runs them, whose requests each ask for
+        what they use; on a CPU each server start costs about 25 s of the
+        test suite's two cores)."""
         fraction = ["--chunk-cache-device-fraction", f"{self.store_fraction:.3f}"]
         retain = ["--enable-continuation", "--retain-kv-max-fraction", "0.25"]
         catalog = [
@@ -289,14 +290,15 @@ class Plan:
         ]
         chunk = ["--enable-chunk-cache", *fraction]
         continuation = retain
+        engine = ["--engine-beam-search", *retain]
         if self.dry_run:
-            chunk = continuation = [*chunk, *retain]
+            chunk = continuation = engine = [*chunk, "--engine-beam-search", *retain]
         return {
             "rag_plain": (self.rag_model, []),
             "rag_chunk": (self.rag_model, chunk),
             "plain": (self.beam_model, []),
             "continuation": (self.beam_model, continuation),
-            "engine": (self.beam_model, ["--engine-beam-search", *retain]),
+            "engine": (self.beam_model, engine),
             "catalog": (self.beam_model, ["--engine-beam-search", *catalog]),
         }
 
