@@ -16,6 +16,15 @@ same engine (what a user compares a beam search with) and prints beams / n.
 ``--searches K`` runs K searches (and K samplings) at once, each on its own
 prompt: ``--searches 16 --widths 50`` is 16 concurrent searches of width 50.
 ``--step-times`` prints each engine step's wall time of one more search.
+``--paired N`` (with ``--sampling``) then times N pairs, a search and a
+sampling back to back, and prints the median of their ratios: a busy box's
+drift between the two blocks of repeats cancels.
+``--step-parts`` prints, per engine step of a search, the medians over the
+timed searches of its parts: ``schedule`` (``Scheduler.schedule``),
+``execute`` (the runner's ``execute_model``: its input preparation and the
+forward), ``sample`` (its ``sample_tokens``: the sampler or the beam step),
+``update`` (``Scheduler.update_from_output`` and the features' hooks in it)
+and the step whole.
 ``--gc`` prints the time Python's collector took during the timed searches
 (``gc.callbacks``), per search.
 
@@ -36,6 +45,8 @@ import pstats
 import random
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -79,6 +90,18 @@ def main() -> None:
         help="print each engine step's wall time in the last timed search",
     )
     parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="with --sampling: also this many pairs, a search then a sampling "
+        "each, and the median of their ratios (drift cancels)",
+    )
+    parser.add_argument(
+        "--step-parts",
+        action="store_true",
+        help="print each engine step's parts (medians over the timed searches)",
+    )
+    parser.add_argument(
         "--gc",
         action="store_true",
         help="print the garbage collector's time per timed search",
@@ -120,6 +143,7 @@ def main() -> None:
 
     engine_step = llm.llm_engine.step
     step_ms: list[float] = []
+    parts = StepParts(llm.llm_engine.engine_core.engine_core)
 
     def timed_step() -> object:
         start = time.perf_counter()
@@ -127,6 +151,7 @@ def main() -> None:
             return engine_step()
         finally:
             step_ms.append((time.perf_counter() - start) * 1e3)
+            parts.step_done(step_ms[-1])
 
     llm.llm_engine.step = timed_step
 
@@ -167,7 +192,12 @@ def main() -> None:
     for width in args.widths:
         search(width)  # warm-up
         collector.start(args.gc)
-        times = [search(width) for _ in range(args.repeats)]
+        parts.on = args.step_parts
+        times = []
+        for _ in range(args.repeats):
+            times.append(search(width))
+            parts.search_done()
+        parts.on = False
         gc_ms = collector.stop() / args.repeats
         live = statistics.median(times)
         line = f"width {width}: {live * 1e3:.0f} ms (median)"
@@ -189,6 +219,15 @@ def main() -> None:
                 line += f" (collector {gc_ms:.1f} ms)"
             line += f"; beams / n {live / n:.2f}"
         print(line)
+        if args.sampling and args.paired:
+            ratios = sorted(search(width) / sample(width) for _ in range(args.paired))
+            print(
+                f"  paired: beams / n {statistics.median(ratios):.2f} (median of "
+                f"{len(ratios)} pairs, each a search then a sampling; "
+                f"{ratios[0]:.2f}-{ratios[-1]:.2f})"
+            )
+        if args.step_parts:
+            print(parts.table())
         if args.step_times:
             search(width)
             steps = ", ".join(f"{ms:.0f}" for ms in step_ms)
@@ -203,6 +242,65 @@ def main() -> None:
     stats = pstats.Stats(profile)
     stats.sort_stats("cumulative").print_stats(args.top)
     stats.sort_stats("tottime").print_stats(args.top)
+
+
+class StepParts:
+    """Times the parts of each engine step (``--step-parts``) while ``on``.
+
+    Wraps the in-process engine core's scheduler and executor methods on
+    their instances (this benchmark's engine only)."""
+
+    PARTS = {
+        "schedule": ("scheduler", "schedule"),
+        "execute": ("model_executor", "execute_model"),
+        "sample": ("model_executor", "sample_tokens"),
+        "update": ("scheduler", "update_from_output"),
+    }
+
+    def __init__(self, core: object) -> None:
+        self.on = False
+        self._step: dict[str, float] = {}
+        self._search: list[dict[str, float]] = []
+        self._searches: list[list[dict[str, float]]] = []
+        for part, (owner, method) in self.PARTS.items():
+            target = getattr(core, owner)
+            setattr(target, method, self._timed(part, getattr(target, method)))
+
+    def _timed(self, part: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                ms = (time.perf_counter() - start) * 1e3
+                self._step[part] = self._step.get(part, 0.0) + ms
+
+        return timed
+
+    def step_done(self, whole_ms: float) -> None:
+        if self.on:
+            self._search.append({**self._step, "step": whole_ms})
+        self._step = {}
+
+    def search_done(self) -> None:
+        if self.on:
+            self._searches.append(self._search)
+        self._search = []
+
+    def table(self) -> str:
+        """Per step index, each part's median over the searches (ms)."""
+        searches, self._searches = self._searches, []
+        columns = [*self.PARTS, "step"]
+        lines = ["| step | " + " | ".join(columns) + " |"]
+        lines.append("|---:|" + "---:|" * len(columns))
+        for i in range(max(map(len, searches), default=0)):
+            steps = [s[i] for s in searches if i < len(s)]
+            cells = [
+                f"{statistics.median(s.get(c, 0.0) for s in steps):.1f}"
+                for c in columns
+            ]
+            lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
 
 
 class Collector:
