@@ -77,8 +77,9 @@ def test_forks_and_usage_are_reported(servers) -> None:
     assert (
         engine.metric("vllm_kvreuse:beam_computed_prompt_tokens_total") == computed + 8
     )
-    # Step 3 ran as one request (the members' first, step 2, is vLLM's).
-    assert engine.metric("vllm_kvreuse:beam_steps_as_one_total") == as_one + 1
+    # Steps 2 and 3 ran as one request, the members' first included (the
+    # group admitted them whole).
+    assert engine.metric("vllm_kvreuse:beam_steps_as_one_total") == as_one + 2
 
 
 def test_width_over_the_running_seats_is_400(servers) -> None:

@@ -81,36 +81,40 @@ def test_members_are_rows_upstream_never_walks(make_scheduler) -> None:
     assert beams == expected(4, 6)
     assert as_one
     assert scheduler.feature("beam").as_one.num_taken == 1
-    # Root prefill, the members' first step (upstream's), then four steps
-    # whose every member row is an extra row (then the members' ends).
-    assert [bool(r) for r in rows[:7]] == [False, False, True, True, True, True, False]
-    assert all(r == set(members) for r in rows[2:6])
+    # Root prefill, then five steps whose every member row is an extra row,
+    # the members' first included (admitted whole), then the members' ends.
+    assert [bool(r) for r in rows[:7]] == [False, True, True, True, True, True, False]
+    assert all(r == set(members) for r in rows[1:6])
     assert num_free_blocks(scheduler) == free
 
 
-def test_members_whose_blocks_cover_the_search_reserve_nothing(
+def test_members_are_admitted_whole_with_every_block_they_compute(
     make_scheduler,
 ) -> None:
-    """Reserving asks upstream's allocator once a member. A search that ends
-    in the block its members start in (40 + 6 tokens: 2 blocks) asks none; one
-    that crosses into a new block (40 + 30: 3 blocks) asks for each member.
-    Both are stepped as one, with the host rule's beams, and give every
-    block back."""
-    for max_tokens, num_calls in ((6, 0), (30, 4)):
+    """The members' first step is admitted by the group, not upstream: one
+    call for the whole width, each member's table then covering every
+    position it computes (a search that ends in the block its members start
+    in, 40 + 6 tokens: 2 blocks; one that crosses into a new block, 40 + 30:
+    3 blocks), so nothing is reserved later. Both give the host rule's
+    beams and every block back."""
+    for max_tokens, num_blocks in ((6, 2), (30, 3)):
         scheduler = make_scheduler()
         free = num_free_blocks(scheduler)
-        upstream, asked = scheduler.kvreuse.upstream, []
-        reserve = upstream.reserve
+        upstream, calls, reserved = scheduler.kvreuse.upstream, [], []
+        admit = upstream.admit
 
-        def counted(request, num_tokens, reserve=reserve, asked=asked):
-            asked.append(request.request_id)
-            return reserve(request, num_tokens)
+        def counted(hits, num_positions, upstream=upstream, admit=admit, calls=calls):
+            admitted = admit(hits, num_positions)
+            tables = [upstream.block_ids_of(r.request_id)[0] for r, _, _ in hits]
+            calls.append((admitted, {len(table) for table in tables}))
+            return admitted
 
-        upstream.reserve = counted
-        beams, _, members, as_one = search(scheduler, 4, max_tokens)
+        upstream.admit = counted
+        upstream.reserve = lambda request, num, reserved=reserved: reserved.append(1)
+        beams, _, _, as_one = search(scheduler, 4, max_tokens)
         assert beams == expected(4, max_tokens)
-        assert as_one
-        assert sorted(asked) == sorted(members[:num_calls])
+        assert as_one and reserved == []
+        assert calls == [(True, {num_blocks})]
         assert num_free_blocks(scheduler) == free
 
 

@@ -191,7 +191,9 @@ def _callers(path: Path, names: set[str]) -> list[str]:
 def test_only_the_owner_moves_requests_out_of_the_queues_for_holding() -> None:
     """The seam's holding steps (``Upstream.take_out_of_queues`` and
     ``put_back_into_queues``) have one caller, ``core/holds.py``; the
-    queues' own edits are the seam's alone (``test_private_access.py``)."""
+    queues' own edits are the seam's alone (``test_private_access.py``):
+    those two, and ``Upstream.admit`` (requests a feature admits leave the
+    waiting queue for good, as ``schedule()`` admits one)."""
     steps = {"take_out_of_queues", "put_back_into_queues"}
     callers = [
         where
@@ -202,4 +204,4 @@ def test_only_the_owner_moves_requests_out_of_the_queues_for_holding() -> None:
     assert callers == [], "hold through core.holds instead"
     assert len(_callers(OWNER, steps)) == 2, "the owner's calls are gone"
     edits = _callers(SEAM, {"remove_requests", "prepend_requests"})
-    assert len(edits) == 2, f"the seam's queue edits for holding: {edits}"
+    assert len(edits) == 3, f"the seam's queue edits: {edits}"

@@ -35,9 +35,9 @@ REQUEST_SEAM = "vllm_kvreuse.core.upstream.requests"
 FRONTEND_SEAM = "vllm_kvreuse.core.upstream.frontend"
 """The seam's module for the API server's and engine client's state."""
 WORKER_SEAM = "vllm_kvreuse.core.upstream.worker"
+"""The seam's module for the workers' state."""
 EXTRA_ROWS_SEAM = "vllm_kvreuse.core.upstream.extra_rows"
 """The seam's module for rows a step runs outside upstream's loop."""
-"""The seam's module for the workers' state."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +286,13 @@ _EXTRA_ROWS = (
           EXTRA_ROWS_SEAM),
     _attr(f"{_SCHED}.defer_block_free", _ROWS_WHY + "fenced", EXTRA_ROWS_SEAM),
     _attr(f"{_SCHED}.sched_step_seq", _ROWS_WHY + "the fence", EXTRA_ROWS_SEAM),
+    _attr(f"{_OUT}:CachedRequestData.num_computed_tokens",
+          _ROWS_WHY + "their positions", EXTRA_ROWS_SEAM),
+    _method(f"{_OUT}:NewRequestData.from_request",
+            _ROWS_WHY + "admitted outside schedule(), sent whole",
+            "(request: object, block_ids: tuple[list[int], ...], "
+            "prefill_token_ids: list[int] | None = None, uses_mrope: bool = "
+            "False) -> 'NewRequestData'", EXTRA_ROWS_SEAM),
     _attr(f"{_REQ}.num_in_flight_tokens", _ROWS_WHY + "in flight", REQUEST_SEAM),
     _attr(f"{_REQ}.last_sched_seq", _ROWS_WHY + "fenced", REQUEST_SEAM),
 )  # fmt: skip

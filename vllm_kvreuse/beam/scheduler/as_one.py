@@ -73,7 +73,7 @@ class OneRequestSteps:
         one from the next ``schedule()`` on. Leaves it member by member if
         the pool cannot give them all."""
         members = self._members(group)
-        if not self._rows.supported or members is None or not members:
+        if group.as_one or not self._rows.supported or not members:
             return
         if group.config.width > self._rows.token_budget():
             return
@@ -99,6 +99,42 @@ class OneRequestSteps:
                 raise RuntimeError("free blocks counted for a beam group vanished")
             if any(ids):
                 group.new_blocks[member.request_id] = ids
+        self._step_as_one(group, members)
+
+    def _admit(self, group: BeamGroup) -> None:
+        """Before ``schedule()``: a live group whose members all wait for
+        their first step is admitted whole here, not by upstream a member at
+        a time: each member gets its parent's blocks for their common prefix
+        (as upstream's lookup gives them) and its own for every position it
+        will compute, runs, and is held from now on; its first row goes to
+        the workers whole (:meth:`add_rows`). A group that cannot be
+        admitted whole (seats, blocks, a member not waiting, a LoRA adapter,
+        a KV connector) is left to upstream (the gate, then :meth:`take`)."""
+        upstream = self.core.upstream
+        if group.started or not self._rows.supported or group.root.lora_request:
+            return
+        found = [upstream.requests.get(rid) for rid in group.members]
+        members = [m for m in found if m and m.status == RequestStatus.WAITING]
+        if len(members) < len(found) or len(members) > upstream.free_seats():
+            return
+        positions = group.prompt_len + group.config.max_tokens - 1
+        admitted = []
+        for member in members:
+            hit = self.core.ledger.inherited_hit(member)
+            if hit is None or hit[1] >= positions:
+                return
+            admitted.append((member, hit[0], hit[1]))
+        size = upstream.block_size
+        needed = sum(-(-positions // size) - num // size for _, _, num in admitted)
+        fits = members and needed <= upstream.num_free_blocks()
+        if fits and upstream.admit(admitted, positions):
+            self._step_as_one(group, members)
+            group.unsent = True
+
+    def _step_as_one(self, group: BeamGroup, members: list[Request]) -> None:
+        """From the next ``schedule()`` on, the group's members are out of
+        upstream's loop and its steps are added whole."""
+        upstream = self.core.upstream
         group.tables = [upstream.block_ids_of(rid) for rid in group.members]
         group.held = members
         for member in members:
@@ -132,6 +168,9 @@ class OneRequestSteps:
             group.tables = group.held = group.private = None
             for request_id in group.members:
                 self.core.holds.unhold(request_id, REASON)
+                if group.unsent:  # upstream would run them as known ones
+                    self.core.resends.resend(request_id)
+            group.unsent = False
 
     # -- its steps, as back-pointers (:mod:`.lineage`) -----------------------------
 
@@ -209,7 +248,11 @@ class OneRequestSteps:
         budget = self._rows.token_budget()
         self.stepping = []
         for group in groups:
-            if group.phase is not Phase.LIVE or not group.as_one:
+            if group.phase is not Phase.LIVE:
+                continue
+            if not group.as_one and group.config.width <= budget:
+                self._admit(group)
+            if not group.as_one:
                 continue
             members = self._members(group)
             if members is None:
@@ -225,9 +268,13 @@ class OneRequestSteps:
         for group in self.stepping:
             if not (self._groups.has(group) and group.as_one):
                 continue
+            members = group.held or [requests[rid] for rid in group.members]
+            if group.unsent:  # admitted before this schedule()
+                self._rows.add(output, members, {}, tables=group.tables)
+                group.unsent = False
+                continue
             if not all(map(self._rows.ran_last_step, group.members)):
                 self.sync(group)  # the workers get its members' lists whole
-            members = group.held or [requests[rid] for rid in group.members]
             lineage = group.lineage
             count = lineage.outputs + lineage.num_steps if lineage else None
             self._rows.add(output, members, group.new_blocks, count)

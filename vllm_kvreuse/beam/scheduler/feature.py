@@ -144,8 +144,8 @@ class EngineBeamSearch(Feature):
 
     def before_schedule(self) -> None:
         if self.groups:
+            self.as_one.hold(self.groups)  # admits first: the gate sees the rest
             self.gate.hold(self.groups)
-            self.as_one.hold(self.groups)
             self.live_steps.hold(g for g in self.groups.live() if not g.as_one)
 
     def after_schedule(self, output: SchedulerOutput) -> None:

@@ -74,13 +74,15 @@ class BeamGroup:
     members: list[str] = field(default_factory=list)
     started: bool = False
     # Stepped as one (:mod:`.as_one`): members out of upstream's loop, the
-    # group's step added whole; ``new_blocks``: reserved block ids per
+    # group's step added whole; ``unsent``: admitted as one (its members'
+    # first rows go to the workers whole); ``new_blocks``: reserved block ids per
     # member, sent with its next step;
     # ``tables``: the members' block tables, fixed while stepped as one;
     # ``held``: the member requests then (the scheduler's own objects);
     # ``private``: the members' private blocks up to a block count, kept
     # until a step's positions reach a new block.
     as_one: bool = False
+    unsent: bool = False
     new_blocks: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     tables: list[tuple[list[int], ...]] | None = None
     held: list[Request] | None = None

@@ -29,8 +29,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.core.sched.output import NewRequestData
+
 from vllm_kvreuse.core.upstream import requests as request_state
-from vllm_kvreuse.core.upstream.scheduler import append_cached_rows
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -89,21 +90,50 @@ class ExtraRows:
         requests: Sequence[Request],
         new_blocks: dict[str, tuple[list[int], ...]],
         num_output_tokens: int | None = None,
+        tables: Sequence[tuple[list[int], ...]] | None = None,
     ) -> None:
         """Adds one row per request to ``output``, computing its next
         position, with the block ids ``new_blocks`` names for it (taken);
         each request is advanced past it and counted in flight.
         ``num_output_tokens``: the output tokens each request has, when its
-        own list is not kept (a group stepped as one keeps back-pointers)."""
+        own list is not kept (a group stepped as one keeps back-pointers).
+        ``tables``: each request's block table when the workers do not know
+        the requests yet (admitted outside ``schedule()``,
+        :meth:`.scheduler.Upstream.admit`): each row is then a
+        ``NewRequestData`` with it, as ``schedule()`` sends one it admits."""
         if not requests:
             return
         scheduler = self._scheduler
-        cached = output.scheduled_cached_reqs
         v1 = not scheduler.use_v2_model_runner
         fence = scheduler.defer_block_free
         if fence and output.total_num_scheduled_tokens == 0:
             scheduler.sched_step_seq += 1  # upstream advances it for non-empty steps
+        seq = scheduler.sched_step_seq if fence else None
         ids = [request.request_id for request in requests]
+        if tables is not None:
+            self._add_new(output, requests, tables, seq)
+        else:
+            self._add_cached(output, requests, ids, new_blocks, num_output_tokens, seq)
+        output.num_scheduled_tokens.update(dict.fromkeys(ids, 1))
+        output.total_num_scheduled_tokens += len(ids)
+        # Cascade attention assumes every row shares those blocks.
+        output.num_common_prefix_blocks = [0] * len(output.num_common_prefix_blocks)
+        if v1:  # what the next begin() reads as the step's rows
+            scheduler.prev_step_scheduled_req_ids.update(ids)
+        vars(output).setdefault(ROWS_ATTR, set()).update(ids)  # its own attribute
+
+    def _add_cached(
+        self,
+        output: SchedulerOutput,
+        requests: Sequence[Request],
+        ids: list[str],
+        new_blocks: dict[str, tuple[list[int], ...]],
+        num_output_tokens: int | None,
+        seq: int | None,
+    ) -> None:
+        """The rows of requests the workers hold: cached rows."""
+        cached = output.scheduled_cached_reqs
+        v1 = not self._scheduler.use_v2_model_runner
         if v1 and not self._previous.issuperset(ids):
             # As upstream: a row the last step did not run comes whole.
             for request in requests:
@@ -120,19 +150,28 @@ class ExtraRows:
             + r.num_in_flight_tokens
             for r in requests
         ]
-        seq = scheduler.sched_step_seq if fence else None
         positions = request_state.run_one_each(requests, seq)
         blocks: list[tuple[list[int], ...] | None] = [None] * len(ids)
         if new_blocks:
             blocks = [new_blocks.pop(rid, None) for rid in ids]
-        append_cached_rows(cached, ids, blocks, positions, outputs)
-        output.num_scheduled_tokens.update(dict.fromkeys(ids, 1))
-        output.total_num_scheduled_tokens += len(ids)
-        # Cascade attention assumes every row shares those blocks.
-        output.num_common_prefix_blocks = [0] * len(output.num_common_prefix_blocks)
-        if v1:  # what the next begin() reads as the step's rows
-            scheduler.prev_step_scheduled_req_ids.update(ids)
-        vars(output).setdefault(ROWS_ATTR, set()).update(ids)  # its own attribute
+        _append_cached_rows(cached, ids, blocks, positions, outputs)
+
+    def _add_new(
+        self,
+        output: SchedulerOutput,
+        requests: Sequence[Request],
+        tables: Sequence[tuple[list[int], ...]],
+        seq: int | None,
+    ) -> None:
+        """The rows of requests the workers do not know: each sent whole
+        (its block table, from the position it stands at), then advanced
+        past it."""
+        v2 = self._scheduler.use_v2_model_runner  # V2 takes the token list
+        output.scheduled_new_reqs += [
+            NewRequestData.from_request(r, table, list(r.all_token_ids) if v2 else None)
+            for r, table in zip(requests, tables, strict=True)
+        ]
+        request_state.run_one_each(requests, seq)
 
     def hidden(self, output: SchedulerOutput) -> SchedulerOutput:
         """``output`` as upstream's ``update_from_output`` walks it: without
@@ -150,6 +189,21 @@ class ExtraRows:
         else:
             scheduled = {rid: n for rid, n in scheduled.items() if rid not in rows}
         return dataclasses.replace(output, num_scheduled_tokens=scheduled)
+
+
+def _append_cached_rows(
+    cached: Any,
+    req_ids: list[str],
+    new_block_ids: list[tuple[list[int], ...] | None],
+    num_computed_tokens: list[int],
+    num_output_tokens: list[int],
+) -> None:
+    """Appends rows to a ``CachedRequestData`` (no pipeline parallelism:
+    no new token ids), each parallel list by name."""
+    cached.req_ids += req_ids
+    cached.new_block_ids += new_block_ids
+    cached.num_computed_tokens += num_computed_tokens
+    cached.num_output_tokens += num_output_tokens
 
 
 def extra_rows(output: Any) -> set[str]:

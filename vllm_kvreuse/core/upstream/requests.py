@@ -67,6 +67,14 @@ def move_computed(request: Request, num_computed: int) -> None:
     request.num_computed_tokens = num_computed
 
 
+def admitted(request: Request, num_computed: int) -> None:
+    """A waiting request runs from its prefix hit of ``num_computed`` tokens
+    (:meth:`.scheduler.Upstream.admit`), as ``schedule()`` leaves one it
+    admits before its step's rows advance it."""
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = num_computed
+
+
 _FINISHED = frozenset(s for s in RequestStatus if RequestStatus.is_finished(s))
 
 
@@ -173,9 +181,15 @@ def rewrite(request: Request, start: int, tokens: list[int]) -> None:
     before ``start``, and are at least as many), the rest appended as
     upstream appends a sample (block hashes included). Computed counts and
     blocks stay (the workers hold that KV)."""
-    num = len(request._all_token_ids)
+    all_tokens = request._all_token_ids
+    num, num_prompt = len(all_tokens), request.num_prompt_tokens
     assert len(tokens) >= num > start, "a rewrite shortens the request"
-    adopt(request, start, num - 1, tokens[start : num - 1], tokens[num - 1])
+    all_tokens[start:num] = tokens[start:num]
+    prompt = request.prompt_token_ids
+    if prompt is not None and num_prompt > start:  # a member's first beam
+        prompt[start:num_prompt] = tokens[start:num_prompt]
+    first = max(num_prompt, start)
+    request._output_token_ids[first - num_prompt :] = tokens[first:num]
     if len(tokens) > num:
         request.append_output_token_ids(tokens[num:])
 

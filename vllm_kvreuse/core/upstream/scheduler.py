@@ -46,12 +46,9 @@ class Upstream:
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         self._manager = scheduler.kv_cache_manager
-        self._managers = self._manager.coordinator.single_type_managers
         self._pool = self._manager.block_pool
         self.block_size = scheduler.block_size
-        self.hash_block_size = (
-            scheduler.cache_config.hash_block_size or scheduler.block_size
-        )
+        self.hash_block_size = scheduler.cache_config.hash_block_size or self.block_size
         self.v2 = scheduler.use_v2_model_runner
         self._num_rows = 0  # row requests made (their ids are unique)
 
@@ -112,6 +109,31 @@ class Upstream:
             request, num_tokens, delay_cache_blocks=True
         )
         return None if blocks is None else blocks.get_block_ids()
+
+    def admit(self, hits: list[tuple[Request, Any, int]], num_positions: int) -> bool:
+        """Admits waiting requests as ``schedule()`` admits one with a prefix
+        hit, ``(request, hit blocks, hit tokens)``: each gets its blocks up
+        to position ``num_positions`` (as :meth:`reserve`'s; a tail copied on
+        write by the next ``schedule()``) and runs, at the running queue's
+        tail. All or nothing: False, nothing changed, if the pool cannot
+        give them all or a KV connector must be told of each."""
+        if self._scheduler.connector is not None:
+            return False
+        done = []
+        for request, blocks, num_hit in hits:
+            num_new = num_positions - num_hit
+            if not self._manager.allocate_slots(
+                request, num_new, num_hit, blocks, delay_cache_blocks=True
+            ):
+                for undone in reversed(done):  # queued copies keep their ends
+                    self._manager.free(undone)
+                return False
+            done.append(request)
+        for request, _, num_hit in hits:
+            request_state.admitted(request, num_hit)
+        self._scheduler.waiting.remove_requests(done)
+        self._scheduler.running += done
+        return True
 
     # -- requests (:mod:`.requests`) -----------------------------------------------
 
@@ -287,21 +309,6 @@ class Upstream:
     def end_rows(output: SchedulerOutput, row_ids: Iterable[str]) -> None:
         """The workers drop these row requests with this step."""
         output.finished_req_ids.update(row_ids)
-
-
-def append_cached_rows(
-    cached: Any,
-    req_ids: list[str],
-    new_block_ids: list[tuple[list[int], ...] | None],
-    num_computed_tokens: list[int],
-    num_output_tokens: list[int],
-) -> None:
-    """Appends rows to a ``CachedRequestData`` (no pipeline parallelism:
-    no new token ids), each parallel list by name."""
-    cached.req_ids += req_ids
-    cached.new_block_ids += new_block_ids
-    cached.num_computed_tokens += num_computed_tokens
-    cached.num_output_tokens += num_output_tokens
 
 
 def _drop_rows(cached: Any, rows: set[int]) -> None:
