@@ -104,7 +104,7 @@ GPU_SIZES = Sizes(
         ),
         profile=(
             "--model models/small --dtype bfloat16 --top 0 --widths 50 --searches 16 "
-            "--repeats 2 --ignore-eos --step-times --prompt-tokens 2500"
+            "--repeats 2 --ignore-eos --step-times --step-parts --prompt-tokens 2500"
         ),
         select="--device cuda --groups 16 --width 50 --vocab 32768",
     ),
@@ -134,7 +134,7 @@ DRY_SIZES = Sizes(
         ),
         profile=(
             "--top 0 --widths 4 --searches 2 --repeats 1 --ignore-eos --step-times "
-            "--prompt-tokens 64 --kv-cache-mib 64"
+            "--step-parts --prompt-tokens 64 --kv-cache-mib 64"
         ),
         select="--device cpu --groups 2 --width 4 --vocab 4096 --repeats 2",
     ),
