@@ -31,6 +31,23 @@ def server(model_dir: str, tmp_path_factory) -> Iterator[Server]:
     srv.close()
 
 
+def params_this_run(request: pytest.FixtureRequest, fixture: str) -> list[str]:
+    """The values of a parametrized fixture that this run's tests of the
+    requesting module use (deselected and skipped ones left out), in their
+    first use's order: a module fixture starts every such variant's servers
+    together, none that no test runs."""
+    used: dict[str, None] = {}
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is not request.module or callspec is None:
+            continue
+        if fixture in callspec.params and not item.get_closest_marker("skip"):
+            skipif = item.get_closest_marker("skipif")
+            if skipif is None or not skipif.args[0]:
+                used[callspec.params[fixture]] = None
+    return list(used)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: str):
     from transformers import AutoTokenizer

@@ -12,7 +12,7 @@ import torch
 from vllm.platforms import current_platform
 
 from tests.conftest import BLOCK_SIZE
-from tests.e2e.conftest import SERVED_MODEL, Server
+from tests.e2e.conftest import SERVED_MODEL, Server, params_this_run
 from vllm_kvreuse.testing.server_group import ServerSpec, started_together
 
 pytestmark = pytest.mark.e2e
@@ -38,21 +38,31 @@ DOCS = [f"Document {n}: " + f"fact {n} is about topic {n * 7}. " * 12 for n in r
         ]),
     ],
 )  # fmt: skip
-def servers(
-    model_dir: str, tmp_path_factory, request
-) -> Iterator[tuple[Server, Server]]:
+def servers(pairs: dict[str, tuple[Server, Server]], request) -> tuple[Server, Server]:
     """A plain server and a chunk-cache server of the same model and dtype."""
+    return pairs[request.param]
+
+
+@pytest.fixture(scope="module")
+def pairs(
+    model_dir: str, tmp_path_factory, request
+) -> Iterator[dict[str, tuple[Server, Server]]]:
+    """Every dtype's pair this run uses, all started together (a server
+    start is CPU-bound: together they take less than one after another)."""
     logs = tmp_path_factory.mktemp("chunks")
-    dtype = ("--dtype", request.param)  # after the settings' own --dtype: wins
-    specs = [
-        ServerSpec("plain", model_dir, dtype),
-        ServerSpec(
-            "chunked", model_dir, ["--enable-chunk-cache", *dtype],
-            env={"VLLM_PLUGINS": "kvreuse"},
-        ),
-    ]  # fmt: skip
-    with started_together(specs, logs) as (plain, chunked):
-        yield plain, chunked
+    dtypes = params_this_run(request, "servers")
+    specs = []
+    for d in dtypes:
+        dtype = ("--dtype", d)  # after the settings' own --dtype: wins
+        specs += [
+            ServerSpec(f"plain-{d}", model_dir, dtype),
+            ServerSpec(
+                f"chunked-{d}", model_dir, ["--enable-chunk-cache", *dtype],
+                env={"VLLM_PLUGINS": "kvreuse"},
+            ),
+        ]  # fmt: skip
+    with started_together(specs, logs) as started:
+        yield {d: (started[2 * i], started[2 * i + 1]) for i, d in enumerate(dtypes)}
 
 
 def complete(server: Server, **body) -> httpx.Response:

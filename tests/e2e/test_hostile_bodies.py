@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from tests.conftest import BLOCK_SIZE
-from tests.e2e.conftest import SERVED_MODEL, Server
+from tests.e2e.conftest import SERVED_MODEL, Server, params_this_run
+from vllm_kvreuse.testing.server_group import ServerSpec, started_together
 
 pytestmark = [
     pytest.mark.e2e,
@@ -46,13 +47,22 @@ HUGE = 10**18
                      "the worker's, the frontend checks are the same")),
     ],
 )  # fmt: skip
-def server(model_dir: str, tmp_path_factory, request) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("hostile") / "server.log"
-    dtype = ("--dtype", request.param)  # after the settings' own --dtype: wins
-    with Server(
-        model_dir, *ALL_FEATURES, *dtype, log_path=log, block_size=BLOCK_SIZE
-    ) as srv:
-        yield srv
+def server(by_dtype: dict[str, Server], request) -> Server:
+    return by_dtype[request.param]
+
+
+@pytest.fixture(scope="module")
+def by_dtype(model_dir: str, tmp_path_factory, request) -> Iterator[dict[str, Server]]:
+    """Every dtype's server this run uses, started together (a server start
+    is CPU-bound: two at once take less than two one after the other)."""
+    logs = tmp_path_factory.mktemp("hostile")
+    dtypes = params_this_run(request, "server")
+    specs = [  # --dtype after the settings' own: wins
+        ServerSpec(d, model_dir, [*ALL_FEATURES, "--dtype", d], BLOCK_SIZE)
+        for d in dtypes
+    ]
+    with started_together(specs, logs) as started:
+        yield dict(zip(dtypes, started, strict=True))
 
 
 def base(**fields: Any) -> dict[str, Any]:
