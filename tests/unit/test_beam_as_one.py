@@ -8,6 +8,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from vllm.lora.request import LoRARequest
 from vllm.v1.request import RequestStatus
 
 from tests.unit.conftest import num_free_blocks
@@ -33,13 +34,16 @@ def model_output(scheduler, output):
 
 def search(
     scheduler, width: int, max_tokens: int, preempt_at: int | None = None,
-    plans: list | None = None,
+    plans: list | None = None, lora: LoRARequest | None = None,
 ):  # fmt: skip
     """Runs one group to its end; returns (beams, each step's extra rows, the
     group's members, whether it was stepped as one when it ended).
-    ``plans``: gets each member step's private blocks (a ``GroupStep``'s)."""
+    ``plans``: gets each member step's private blocks (a ``GroupStep``'s);
+    ``lora``: the root's adapter."""
     feature = scheduler.feature("beam")
-    scheduler.add_request(root(width, max_tokens))
+    request = root(width, max_tokens)
+    request.lora_request = lora
+    scheduler.add_request(request)
     rows, outputs, members, as_one = [], [], [], False
     for step in range(100):
         if not scheduler.has_requests():
@@ -178,3 +182,17 @@ def test_the_members_first_step_is_kept_as_back_pointers(make_scheduler) -> None
     assert group.lineage is not None and group.lineage.num_steps == 1
     # The beams are still the root step's: one token past the prompt.
     assert {len(beam.seq.tokens) for beam in group.beams} == {len(PROMPT) + 1}
+
+
+def test_a_group_with_a_lora_adapter_goes_member_by_member(make_scheduler) -> None:
+    """Held members are invisible to upstream's ``max_loras`` count: a
+    group with an adapter is never stepped as one (its rows all go through
+    upstream's loop), with the same beams."""
+    scheduler = make_scheduler()
+    free = num_free_blocks(scheduler)
+    lora = LoRARequest("adapter", 1, "/nonexistent")
+    beams, rows, _, as_one = search(scheduler, 4, 6, lora=lora)
+    assert beams == expected(4, 6)
+    assert not as_one and not any(rows)
+    assert scheduler.feature("beam").as_one.num_taken == 0
+    assert num_free_blocks(scheduler) == free

@@ -18,9 +18,10 @@ feature keeps its back-pointers (:mod:`.lineage`), from the members' first
 step on (upstream's: it appended their tokens, superseded when read).
 
 A group that cannot be reserved whole (the pool, the token budget,
-pipeline parallelism), or one whose member upstream preempts (a cache
-reset that preempts running requests), stays or goes back to the member
-by member path of :mod:`.live` and :mod:`.sit_out`: same steps, same beams.
+pipeline parallelism), one with a LoRA adapter (upstream's ``max_loras``
+count cannot see held members), or one whose member upstream preempts (a
+cache reset that preempts running requests), stays or goes back to the
+member by member path of :mod:`.live` and :mod:`.sit_out`: same steps, same beams.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class OneRequestSteps:
         one from the next ``schedule()`` on. Leaves it member by member if
         the pool cannot give them all."""
         members = self._members(group)
-        if group.as_one or not self._rows.supported or not members:
+        if group.as_one or not self._may_step_as_one(group) or not members:
             return
         if group.config.width > self._rows.token_budget():
             return
@@ -108,10 +109,10 @@ class OneRequestSteps:
         (as upstream's lookup gives them) and its own for every position it
         will compute, runs, and is held from now on; its first row goes to
         the workers whole (:meth:`add_rows`). A group that cannot be
-        admitted whole (seats, blocks, a member not waiting, a LoRA adapter,
-        a KV connector) is left to upstream (the gate, then :meth:`take`)."""
+        admitted whole (seats, blocks, a member not waiting, a KV connector)
+        is left to upstream (the gate, then :meth:`take`)."""
         upstream = self.core.upstream
-        if group.started or not self._rows.supported or group.root.lora_request:
+        if group.started or not self._may_step_as_one(group):
             return
         found = [upstream.requests.get(rid) for rid in group.members]
         members = [m for m in found if m and m.status == RequestStatus.WAITING]
@@ -130,6 +131,12 @@ class OneRequestSteps:
         if fits and upstream.admit(admitted, positions):
             self._step_as_one(group, members)
             group.unsent = True
+
+    def _may_step_as_one(self, group: BeamGroup) -> bool:
+        """Extra rows are possible (no pipeline parallelism), and the group
+        has no LoRA adapter: held members are invisible to upstream's
+        ``max_loras`` count, so their rows could take a batch past it."""
+        return self._rows.supported and group.root.lora_request is None
 
     def _step_as_one(self, group: BeamGroup, members: list[Request]) -> None:
         """From the next ``schedule()`` on, the group's members are out of
