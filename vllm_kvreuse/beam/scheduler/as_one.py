@@ -6,16 +6,18 @@ queue, its slots, its budget), upstream's ``update_from_output`` appends
 each one's token, checks its stops and makes its output, and the feature
 reads those outputs: a group of width W costs the host W requests a step.
 
-Stepped as one, the group costs it one: once the members' first step is
-scheduled, the blocks of every position they will compute are reserved
-(:meth:`OneRequestSteps.take`); from then on the members are held out of
-upstream's ``schedule()`` for good (the core's holds, seats and all), and
-after each ``schedule()`` the group's whole step is added to the output
-as extra rows (:mod:`vllm_kvreuse.core.upstream.extra_rows`), its token
-budget borrowed before it. Upstream's update never walks them; the
+Stepped as one, the group costs it one: before the members' first step,
+the group admits them itself, each with the blocks of every position it
+will compute (:meth:`OneRequestSteps._admit`; a group upstream admitted
+reserves them right after that step is scheduled, :meth:`~OneRequestSteps.take`);
+from then on the members are held out of upstream's ``schedule()`` for
+good (the core's holds, seats and all), and after each ``schedule()`` the
+group's whole step is added to the output as extra rows
+(:mod:`vllm_kvreuse.core.upstream.extra_rows`; the first sent whole), its
+token budget borrowed before it. Upstream's update never walks them; the
 workers apply the step (:mod:`~vllm_kvreuse.beam.worker.job`) and the
 feature keeps its back-pointers (:mod:`.lineage`), from the members' first
-step on (upstream's: it appended their tokens, superseded when read).
+step on.
 
 A group that cannot be reserved whole (the pool, the token budget,
 pipeline parallelism), one with a LoRA adapter (upstream's ``max_loras``
@@ -184,8 +186,8 @@ class OneRequestSteps:
     @staticmethod
     def follows_lazily(group: BeamGroup) -> bool:
         """Whether the group's next result is kept as back-pointers: every
-        member step while stepped as one, the members' first (which
-        upstream ran) included."""
+        member step while stepped as one, the members' first included
+        (an extra row, or upstream's for a group it admitted)."""
         return group.as_one and group.step >= 1
 
     def advance(
